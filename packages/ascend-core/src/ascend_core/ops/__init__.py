@@ -1,0 +1,1 @@
+"""vLLM custom ops that route model layers to ascend-kernels."""

@@ -1,0 +1,80 @@
+"""Replacements for vLLM's CustomOp layers, backed by ascend-kernels.
+
+vLLM instantiates an out-of-tree class in place of its own layer when one is
+registered under the layer's class name (``CustomOp.register_oot``). The same
+classes serve both targets: ``forward_oot`` runs on the npu platform,
+``forward_cpu`` on the host platform (which stays a CPU platform for vLLM), and
+the kernels' dispatcher picks the backend from the tensor's device.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import RMSNorm
+
+import ascend_kernels
+from ascend_core.registry import CUSTOM_OPS
+
+
+class AscendRMSNorm(RMSNorm):
+    def forward_oot(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.variance_size_override is not None:
+            # Norm over a prefix of the hidden size: not an op of ours yet.
+            return self.forward_native(x, residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = ascend_kernels.rms_norm(x, self.weight.data, self.variance_epsilon)
+        return out if residual is None else (out, residual)
+
+    forward_cpu = forward_oot
+
+
+class AscendSiluAndMul(SiluAndMul):
+    def forward_oot(self, x: torch.Tensor) -> torch.Tensor:
+        return ascend_kernels.silu_and_mul(x)
+
+    forward_cpu = forward_oot
+
+
+def register() -> None:
+    """Put the replacements in core's custom-op registry (no vLLM side effect)."""
+    CUSTOM_OPS.register("RMSNorm", AscendRMSNorm)
+    CUSTOM_OPS.register("SiluAndMul", AscendSiluAndMul)
+
+
+def register_with_vllm() -> list[str]:
+    """Register every op of ``CUSTOM_OPS`` with vLLM, once per process.
+
+    Returns the names newly registered. Only called when an Ascend platform is
+    active: on stock vLLM the plugin must leave the model's layers alone.
+    """
+    register()
+    added = []
+    for name in CUSTOM_OPS:
+        op_cls = CUSTOM_OPS.get(name)
+        current = op_registry_oot.get(name)
+        if current is op_cls:
+            continue
+        if current is not None:
+            raise RuntimeError(
+                f"vLLM custom op {name!r} is already replaced by {current.__module__}."
+                f"{current.__qualname__}; the Ascend plugin cannot also replace it with "
+                f"{op_cls.__qualname__}. Disable the other plugin (VLLM_PLUGINS)."
+            )
+        CustomOp.register_oot(op_cls, name=name)
+        added.append(name)
+    return added
+
+
+def enable_in_compilation_config(compilation_config) -> None:
+    """Keep our ops on when vLLM's default would turn custom ops off (Inductor).
+
+    An op the user disabled explicitly (``-RMSNorm``) stays disabled.
+    """
+    custom_ops = compilation_config.custom_ops
+    for name in CUSTOM_OPS:
+        if f"-{name}" not in custom_ops and f"+{name}" not in custom_ops:
+            custom_ops.append(f"+{name}")

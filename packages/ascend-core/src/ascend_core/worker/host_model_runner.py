@@ -1,0 +1,14 @@
+"""The host target's model runner: vLLM's CPU runner plus the plugin's hooks."""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from ascend_core.worker.speculative import install_registered_proposer
+
+
+class AscendHostModelRunner(CPUModelRunner):
+    def __init__(self, vllm_config, device: torch.device):
+        super().__init__(vllm_config, device)
+        self.proposer_source = install_registered_proposer(self)
