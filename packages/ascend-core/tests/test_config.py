@@ -1,0 +1,562 @@
+"""AscendConfig: strict parsing of additional_config, migrations, host target, round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+import pytest
+from ascend_core import config as config_module
+from ascend_core.config import (
+    EPLB_KEY_MIGRATION,
+    REMOVED_KEYS,
+    AscendCompilationConfig,
+    AscendConfig,
+    AscendConfigError,
+    EplbConfig,
+    RejectionSamplerConfig,
+    get_ascend_config,
+    init_ascend_config,
+    reset_ascend_config,
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("VLLM_ASCEND_"):
+            monkeypatch.delenv(name)
+    reset_ascend_config()
+    yield
+    reset_ascend_config()
+
+
+def parse_error(additional_config, target="npu") -> AscendConfigError:
+    with pytest.raises(AscendConfigError) as info:
+        AscendConfig.from_dict(additional_config, target=target)
+    return info.value
+
+
+FULL = {
+    "eplb_config": {
+        "dynamic_eplb": True,
+        "expert_map_path": "/maps/initial.json",
+        "expert_heat_collection_interval": 200,
+        "algorithm_execution_interval": 10,
+        "expert_map_record_path": "/maps/record.json",
+        "num_redundant_experts": 16,
+        "policy": "swift",
+        "heat_collection_phase": "decode",
+        "mix_placement": True,
+    },
+    "ascend_compilation_config": {
+        "enable_graph_fusion": True,
+        "enable_npugraph_ex": True,
+        "enable_static_kernel": True,
+        "fuse_norm_quant": False,
+        "fuse_qknorm_rope": True,
+        "fuse_allreduce_rms": True,
+    },
+    "rejection_sampler_config": {"backend": "triton"},
+    "dump_config_path": "/debug/msprobe.json",
+    "enable_mlapo": False,
+    "mlapo_keep_prefill_weights": True,
+    "enable_cpu_binding": True,
+    "weight_nz_mode": 2,
+    "refresh": True,
+}
+
+
+# --- defaults, shape, round trip ---------------------------------------------------------
+
+
+def test_defaults():
+    config = AscendConfig.from_dict(None)
+    assert config == AscendConfig.from_dict({}) == AscendConfig()
+    eplb = config.eplb_config
+    assert eplb.dynamic_eplb is False
+    assert eplb.expert_map_path is None
+    assert eplb.expert_heat_collection_interval == 400
+    assert eplb.algorithm_execution_interval == 30
+    assert eplb.expert_map_record_path is None
+    assert eplb.num_redundant_experts == 0
+    assert eplb.policy == "default"
+    assert eplb.heat_collection_phase == "all"
+    assert eplb.mix_placement is False
+    assert config.ascend_compilation_config.enable_graph_fusion is True
+    assert config.ascend_compilation_config.fuse_allreduce_rms is False
+    assert config.rejection_sampler_config.backend == "auto"
+    assert config.dump_config_path is None
+    assert config.enable_mlapo is True
+    assert config.mlapo_keep_prefill_weights is False
+    assert config.enable_cpu_binding is False
+    assert config.weight_nz_mode == 1
+    assert config.refresh is False
+
+
+def test_full_config_parses_into_typed_sections():
+    config = AscendConfig.from_dict(FULL)
+    assert isinstance(config.eplb_config, EplbConfig)
+    assert isinstance(config.ascend_compilation_config, AscendCompilationConfig)
+    assert isinstance(config.rejection_sampler_config, RejectionSamplerConfig)
+    assert config.eplb_config.num_redundant_experts == 16
+    assert config.eplb_config.heat_collection_phase == "decode"
+    assert config.ascend_compilation_config.fuse_norm_quant is False
+    assert config.rejection_sampler_config.backend == "triton"
+    assert config.weight_nz_mode == 2
+    assert config.dump_config_path == "/debug/msprobe.json"
+
+
+def test_partial_section_keeps_other_defaults():
+    config = AscendConfig.from_dict({"eplb_config": {"num_redundant_experts": 2}})
+    assert config.eplb_config == EplbConfig(num_redundant_experts=2)
+
+
+def test_config_is_frozen():
+    config = AscendConfig.from_dict(FULL)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.enable_mlapo = True  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.eplb_config.policy = "other"  # type: ignore[misc]
+
+
+def test_to_dict_round_trips_and_is_json():
+    config = AscendConfig.from_dict(FULL)
+    as_dict = config.to_dict()
+    assert as_dict == FULL
+    assert AscendConfig.from_dict(json.loads(json.dumps(as_dict))) == config
+    default = AscendConfig.from_dict(None)
+    assert AscendConfig.from_dict(default.to_dict()) == default
+
+
+def test_valid_keys_per_level():
+    assert AscendConfig.valid_keys() == tuple(FULL)
+    assert EplbConfig.valid_keys() == tuple(FULL["eplb_config"])
+    assert AscendCompilationConfig.valid_keys() == tuple(FULL["ascend_compilation_config"])
+    assert RejectionSamplerConfig.valid_keys() == ("backend",)
+
+
+def test_describe_lists_nested_keys_with_docs_and_npu_only_flags():
+    keys = {key.path: key for key in AscendConfig.describe()}
+    assert "eplb_config.heat_collection_phase" in keys
+    assert keys["eplb_config.heat_collection_phase"].choices == ("all", "prefill", "decode")
+    assert keys["eplb_config.expert_heat_collection_interval"].default == 400
+    assert keys["eplb_config.expert_map_path"].type == "str | None"
+    assert keys["weight_nz_mode"].choices == (0, 1, 2)
+    # npu-only is inherited by every key of an npu-only section.
+    assert keys["ascend_compilation_config.fuse_allreduce_rms"].npu_only is True
+    assert keys["enable_mlapo"].npu_only is True
+    assert keys["dump_config_path"].npu_only is True
+    assert keys["eplb_config.dynamic_eplb"].npu_only is False
+    assert keys["rejection_sampler_config.backend"].npu_only is False
+    assert all(key.doc for key in keys.values())
+
+
+def test_error_is_a_value_error():
+    assert issubclass(AscendConfigError, ValueError)
+
+
+# --- unknown keys ------------------------------------------------------------------------
+
+
+def test_unknown_top_level_key_lists_valid_keys_and_suggests():
+    error = parse_error({"enable_mlapoo": True})
+    message = str(error)
+    assert "'enable_mlapoo'" in message
+    assert "Did you mean 'enable_mlapo'?" in message
+    for key in AscendConfig.valid_keys():
+        assert key in message
+
+
+@pytest.mark.parametrize(
+    ("section", "typo", "meant"),
+    [
+        ("eplb_config", "num_redundant_expert", "num_redundant_experts"),
+        ("ascend_compilation_config", "fuse_norm_qaunt", "fuse_norm_quant"),
+        ("rejection_sampler_config", "backnd", "backend"),
+    ],
+)
+def test_unknown_nested_key_names_path_valid_keys_and_suggestion(section, typo, meant):
+    error = parse_error({section: {typo: 1}})
+    message = str(error)
+    assert f"'{section}.{typo}'" in message
+    assert f"Did you mean '{meant}'?" in message
+    section_class = type(getattr(AscendConfig(), section))
+    assert ", ".join(section_class.valid_keys()) in message
+
+
+def test_unknown_key_without_close_match_has_no_suggestion():
+    message = str(parse_error({"zzz": 1}))
+    assert "Did you mean" not in message
+    assert "Valid keys in the top level" in message
+
+
+# --- types: never coerced ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("additional_config", "path", "shown", "expected"),
+    [
+        ({"enable_mlapo": "yes"}, "enable_mlapo", '"yes" (str)', "boolean"),
+        ({"enable_cpu_binding": "true"}, "enable_cpu_binding", '"true" (str)', "boolean"),
+        ({"enable_mlapo": 1}, "enable_mlapo", "1 (int)", "boolean"),
+        ({"weight_nz_mode": "2"}, "weight_nz_mode", '"2" (str)', "integer"),
+        ({"weight_nz_mode": True}, "weight_nz_mode", "true (bool)", "integer"),
+        ({"weight_nz_mode": 1.0}, "weight_nz_mode", "1.0 (float)", "integer"),
+        (
+            {"eplb_config": {"num_redundant_experts": "3"}},
+            "eplb_config.num_redundant_experts",
+            '"3" (str)',
+            "integer",
+        ),
+        ({"eplb_config": {"policy": 2}}, "eplb_config.policy", "2 (int)", "string"),
+        ({"dump_config_path": 5}, "dump_config_path", "5 (int)", "string or null"),
+        ({"enable_mlapo": None}, "enable_mlapo", "null", "boolean"),
+    ],
+)
+def test_wrong_type_names_path_value_and_expected_type(additional_config, path, shown, expected):
+    message = str(parse_error(additional_config))
+    assert f"'{path}'" in message
+    assert shown in message
+    assert expected in message
+
+
+def test_wrong_type_hints_how_to_write_it():
+    assert "without quotes: true" in str(parse_error({"enable_mlapo": "yes"}))
+    assert "without quotes: false" in str(parse_error({"enable_mlapo": "off"}))
+    assert "Write true, not 1" in str(parse_error({"enable_mlapo": 1}))
+    assert "without quotes: 3" in str(parse_error({"eplb_config": {"num_redundant_experts": "3"}}))
+    assert "not an integer" in str(parse_error({"weight_nz_mode": False}))
+
+
+def test_nullable_string_accepts_null():
+    config = AscendConfig.from_dict({"eplb_config": {"expert_map_path": None}})
+    assert config.eplb_config.expert_map_path is None
+
+
+def test_section_must_be_a_mapping():
+    message = str(parse_error({"eplb_config": True}))
+    assert "'eplb_config'" in message and "true (bool)" in message
+    assert "mapping" in message and "dynamic_eplb" in message
+
+
+def test_additional_config_must_be_a_mapping():
+    message = str(parse_error(["enable_mlapo"]))
+    assert "mapping" in message and "(list)" in message
+
+
+# --- allowed values and ranges -----------------------------------------------------------
+
+
+def test_choice_error_lists_allowed_values_and_suggests():
+    message = str(parse_error({"eplb_config": {"heat_collection_phase": "prefil"}}))
+    assert "'eplb_config.heat_collection_phase'" in message
+    assert '"prefil"' in message
+    assert '"all", "prefill", "decode"' in message
+    assert "Did you mean 'prefill'?" in message
+
+
+def test_rejection_sampler_backend_choices():
+    message = str(parse_error({"rejection_sampler_config": {"backend": "npu"}}))
+    assert '"auto", "reference", "triton"' in message and '"npu"' in message
+    for backend in ("auto", "reference", "triton"):
+        config = AscendConfig.from_dict({"rejection_sampler_config": {"backend": backend}})
+        assert config.rejection_sampler_config.backend == backend
+
+
+@pytest.mark.parametrize("mode", [-1, 3])
+def test_weight_nz_mode_only_0_1_2(mode):
+    message = str(parse_error({"weight_nz_mode": mode}))
+    assert "'weight_nz_mode'" in message and f"got {mode}" in message and "0, 1, 2" in message
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "minimum"),
+    [
+        ("expert_heat_collection_interval", 0, 1),
+        ("algorithm_execution_interval", -5, 1),
+        ("num_redundant_experts", -1, 0),
+    ],
+)
+def test_eplb_integer_minimums(key, value, minimum):
+    message = str(parse_error({"eplb_config": {key: value}}))
+    assert f"'eplb_config.{key}'" in message
+    assert f">= {minimum}" in message and f"got {value}" in message
+
+
+def test_expert_map_paths_must_be_json_files():
+    message = str(parse_error({"eplb_config": {"expert_map_record_path": "/maps/out.txt"}}))
+    assert "'eplb_config.expert_map_record_path'" in message
+    assert ".json" in message and "/maps/out.txt" in message
+
+
+def test_static_kernel_needs_npugraph_ex():
+    message = str(
+        parse_error(
+            {
+                "ascend_compilation_config": {
+                    "enable_static_kernel": True,
+                    "enable_npugraph_ex": False,
+                }
+            }
+        )
+    )
+    assert "enable_static_kernel" in message and "enable_npugraph_ex" in message
+
+
+def test_all_problems_are_reported_together():
+    error = parse_error(
+        {
+            "enable_mlapo": "no",
+            "weight_nz_mode": 7,
+            "eplb_config": {"policy": 1, "typo_key": 0},
+            "chunked_prefill_for_mla": True,
+        }
+    )
+    assert len(error.problems) == 5
+    message = str(error)
+    assert message.startswith("5 problems in additional_config")
+    for problem in error.problems:
+        assert problem in message
+
+
+# --- migrations from vllm-ascend's history -----------------------------------------------
+
+
+def test_dump_config_dict_is_renamed_to_dump_config_path_with_its_path():
+    message = str(parse_error({"dump_config": {"path": "/cfg/dump.json", "level": "L1"}}))
+    assert "renamed to 'dump_config_path'" in message
+    assert '"dump_config_path": "/cfg/dump.json"' in message
+    assert '"level": "L1"' in message  # the value that was given
+
+
+def test_dump_config_string_is_renamed_with_same_path():
+    message = str(parse_error({"dump_config": "/cfg/dump.json"}))
+    assert '"dump_config_path": "/cfg/dump.json"' in message
+
+
+def test_dump_config_anything_else_still_points_to_dump_config_path():
+    message = str(parse_error({"dump_config": True}))
+    assert "renamed to 'dump_config_path'" in message and "true (bool)" in message
+
+
+def test_dump_config_and_dump_config_path_together_is_an_error():
+    error = parse_error({"dump_config": "/a.json", "dump_config_path": "/b.json"})
+    assert len(error.problems) == 1
+    message = str(error)
+    assert "both 'dump_config' and 'dump_config_path'" in message
+    assert '"dump_config_path": "/b.json"' in message
+
+
+def test_chunked_prefill_for_mla_was_removed():
+    message = str(parse_error({"chunked_prefill_for_mla": True}))
+    assert "'chunked_prefill_for_mla' was removed" in message
+    assert "always on" in message
+
+
+@pytest.mark.parametrize(
+    ("key", "instead"),
+    [("torchair_graph_config", "compilation_config"), ("ascend_scheduler_config", "scheduler")],
+)
+def test_removed_sections_say_what_to_use_instead(key, instead):
+    message = str(parse_error({key: {"enabled": True}}))
+    assert f"'{key}' was removed" in message
+    assert instead in message
+    assert key in REMOVED_KEYS
+
+
+def test_eplb_key_migration_table():
+    assert EPLB_KEY_MIGRATION["init_redundancy_expert"] == "num_redundant_experts"
+    assert EPLB_KEY_MIGRATION["num_iterations_eplb_update"] == "expert_heat_collection_interval"
+    assert EPLB_KEY_MIGRATION["num_wait_worker_iterations"] == "algorithm_execution_interval"
+    assert EPLB_KEY_MIGRATION["eplb_policy_type"] == "policy"
+    assert EPLB_KEY_MIGRATION["gate_eplb"] is None
+    for key in EplbConfig.valid_keys():
+        assert EPLB_KEY_MIGRATION[key] == key
+    # No migrated key may collide with a real top-level key.
+    assert not set(EPLB_KEY_MIGRATION) & set(AscendConfig.valid_keys())
+
+
+@pytest.mark.parametrize(
+    ("old", "value", "corrected"),
+    [
+        ("dynamic_eplb", True, {"dynamic_eplb": True}),
+        ("expert_map_path", "/m.json", {"expert_map_path": "/m.json"}),
+        ("expert_map_record_path", "/r.json", {"expert_map_record_path": "/r.json"}),
+        ("init_redundancy_expert", 16, {"num_redundant_experts": 16}),
+        ("num_iterations_eplb_update", 400, {"expert_heat_collection_interval": 400}),
+        ("num_wait_worker_iterations", 30, {"algorithm_execution_interval": 30}),
+        ("eplb_policy_type", "swift", {"policy": "swift"}),
+        ("mix_placement", True, {"mix_placement": True}),
+        ("heat_collection_phase", "prefill", {"heat_collection_phase": "prefill"}),
+    ],
+)
+def test_top_level_eplb_key_must_move_under_eplb_config(old, value, corrected):
+    message = str(parse_error({old: value}))
+    assert "belong under 'eplb_config'" in message
+    assert f"'{old}' -> eplb_config.{next(iter(corrected))}" in message
+    assert f'"eplb_config": {json.dumps(corrected)}' in message
+
+
+def test_numbered_eplb_policy_type_maps_to_a_policy_name():
+    message = str(parse_error({"eplb_policy_type": 2}))
+    assert '"eplb_config": {"policy": "default"}' in message
+    assert "not the number 2" in message
+
+
+def test_gate_eplb_has_no_counterpart():
+    message = str(parse_error({"gate_eplb": True, "dynamic_eplb": True}))
+    assert "'gate_eplb' has no counterpart" in message
+    assert '"eplb_config": {"dynamic_eplb": true}' in message
+
+
+def test_misplaced_eplb_keys_merge_into_the_given_eplb_config():
+    error = parse_error(
+        {"eplb_config": {"dynamic_eplb": True}, "init_redundancy_expert": 8, "gate_eplb": False}
+    )
+    assert len(error.problems) == 1
+    assert '"eplb_config": {"dynamic_eplb": true, "num_redundant_experts": 8}' in str(error)
+
+
+def test_corrected_eplb_config_parses():
+    """Following the message's advice gives a valid config with the same meaning."""
+    message = str(parse_error({"num_iterations_eplb_update": 300, "init_redundancy_expert": 4}))
+    corrected = json.loads("{" + message.split("Write instead: ", 1)[1] + "}")
+    config = AscendConfig.from_dict(corrected)
+    assert config.eplb_config.expert_heat_collection_interval == 300
+    assert config.eplb_config.num_redundant_experts == 4
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("eplb_policy_type", "policy"),
+        ("init_redundancy_expert", "num_redundant_experts"),
+        ("eplb_heat_collection_stage", "heat_collection_phase"),
+    ],
+)
+def test_old_names_inside_eplb_config_point_to_new_names(old, new):
+    message = str(parse_error({"eplb_config": {old: "prefill"}}))
+    assert f"'eplb_config.{old}'" in message
+    assert f'"{new}"' in message
+
+
+# --- targets -----------------------------------------------------------------------------
+
+
+def test_npu_only_keys_are_ignored_on_host_with_one_log_line(caplog):
+    given = {
+        "enable_mlapo": False,
+        "weight_nz_mode": 2,
+        "ascend_compilation_config": {"fuse_norm_quant": False},
+        "dump_config_path": "/d.json",
+        "eplb_config": {"dynamic_eplb": True},
+    }
+    with caplog.at_level(logging.INFO, logger="ascend_core.config"):
+        config = AscendConfig.from_dict(given, target="host")
+    records = [r for r in caplog.records if r.name == "ascend_core.config"]
+    assert len(records) == 1
+    line = records[0].getMessage()
+    for key in ("enable_mlapo", "weight_nz_mode", "ascend_compilation_config", "dump_config_path"):
+        assert key in line
+    # Only keys that were given are listed; keys valid on host are not.
+    for key in ("mlapo_keep_prefill_weights", "enable_cpu_binding", "eplb_config"):
+        assert key not in line
+    # Ignored: npu-only keys keep their defaults; the rest applies.
+    assert config.enable_mlapo is True
+    assert config.weight_nz_mode == 1
+    assert config.ascend_compilation_config == AscendCompilationConfig()
+    assert config.dump_config_path is None
+    assert config.eplb_config.dynamic_eplb is True
+
+
+def test_host_without_npu_only_keys_logs_nothing(caplog):
+    with caplog.at_level(logging.DEBUG, logger="ascend_core.config"):
+        AscendConfig.from_dict({"eplb_config": {"dynamic_eplb": True}}, target="host")
+    assert [r for r in caplog.records if r.name == "ascend_core.config"] == []
+
+
+def test_npu_target_keeps_npu_only_keys_and_logs_nothing(caplog):
+    with caplog.at_level(logging.DEBUG, logger="ascend_core.config"):
+        config = AscendConfig.from_dict(FULL, target="npu")
+    assert config.enable_mlapo is False
+    assert [r for r in caplog.records if r.name == "ascend_core.config"] == []
+
+
+def test_npu_only_keys_are_still_validated_on_host():
+    message = str(parse_error({"enable_mlapo": "yes", "weight_nz_mode": 5}, target="host"))
+    assert "enable_mlapo" in message and "weight_nz_mode" in message
+
+
+def test_unknown_target_is_rejected():
+    with pytest.raises(ValueError, match="'auto'"):
+        AscendConfig.from_dict({}, target="auto")
+
+
+# --- the older VLLM_ASCEND_* switches ----------------------------------------------------
+
+
+def test_env_switch_applies_when_additional_config_is_silent(monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_MLAPO", "0")
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "2")
+    config = AscendConfig.from_dict({})
+    assert config.enable_mlapo is False
+    assert config.weight_nz_mode == 2
+
+
+def test_additional_config_wins_over_env_switch(monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_MLAPO", "0")
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "2")
+    config = AscendConfig.from_dict({"enable_mlapo": True, "weight_nz_mode": 0})
+    assert config.enable_mlapo is True
+    assert config.weight_nz_mode == 0
+
+
+def test_env_switch_is_not_used_on_host(monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "2")
+    assert AscendConfig.from_dict({}, target="host").weight_nz_mode == 1
+
+
+# --- compilation helpers -----------------------------------------------------------------
+
+
+def test_fusion_enabled_respects_master_switch():
+    on = AscendCompilationConfig(fuse_allreduce_rms=True)
+    assert on.fusion_enabled("allreduce_rms") is True
+    assert on.fusion_enabled("fuse_norm_quant") is True
+    off = AscendCompilationConfig(enable_graph_fusion=False, fuse_allreduce_rms=True)
+    assert off.fusion_enabled("allreduce_rms") is False
+    with pytest.raises(AttributeError, match="Did you mean 'fuse_norm_quant'"):
+        on.fusion_enabled("norm_qaunt")
+
+
+# --- process-wide config -----------------------------------------------------------------
+
+
+def test_get_before_init_returns_defaults():
+    assert get_ascend_config() == AscendConfig()
+
+
+def test_init_stores_and_get_returns_it():
+    stored = init_ascend_config({"eplb_config": {"dynamic_eplb": True}}, target="host")
+    assert get_ascend_config() is stored
+    assert get_ascend_config().eplb_config.dynamic_eplb is True
+    replaced = init_ascend_config({"weight_nz_mode": 0}, target="npu")
+    assert get_ascend_config() is replaced
+    assert replaced.eplb_config.dynamic_eplb is False
+
+
+def test_failed_init_keeps_previous_config():
+    stored = init_ascend_config({"weight_nz_mode": 2})
+    with pytest.raises(AscendConfigError):
+        init_ascend_config({"weight_nz_mode": 9})
+    assert get_ascend_config() is stored
+
+
+def test_reset_forgets_config():
+    init_ascend_config({"weight_nz_mode": 2})
+    reset_ascend_config()
+    assert config_module._current is None
+    assert get_ascend_config().weight_nz_mode == 1

