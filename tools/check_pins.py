@@ -9,8 +9,8 @@ from __future__ import annotations
 import pathlib
 import re
 import sys
-import tomllib
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 

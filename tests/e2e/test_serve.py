@@ -5,9 +5,10 @@ from __future__ import annotations
 import urllib.error
 
 import pytest
-from conftest import PROMPTS
 
 from ascend_plugin.serving import chat, complete, post_json, running_server
+
+from conftest import PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def test_chat_completions_answer(server, llama_dir):
 def test_server_runs_on_the_plugin_platform(server):
     _, log = server
     text = log.read_text()
-    assert "Platform plugin ascend is activated" in text
+    assert "Ascend plugin active: host target (AscendHostPlatform)" in text
+    assert "Unknown vLLM environment variable detected: VLLM_ASCEND_TARGET" not in text
 
 
 def test_malformed_request_is_rejected_and_server_keeps_serving(server, llama_dir):

@@ -8,6 +8,7 @@ import logging
 import os
 
 import pytest
+
 from ascend_core import config as config_module
 from ascend_core.config import (
     EPLB_KEY_MIGRATION,

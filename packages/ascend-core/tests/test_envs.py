@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from ascend_core import envs
 
 

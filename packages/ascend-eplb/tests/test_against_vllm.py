@@ -5,11 +5,13 @@ installed (the package's own test session ignores test_against_vllm*.py), and
 there a missing or moved vLLM module must fail, not skip.
 """
 
-import ascend_eplb
 import pytest
 import torch
-from eplb_cases import README_ARGS, README_PHY2LOG, README_WEIGHT, TOPOLOGIES
 from vllm.distributed.eplb.policy.default import DefaultEplbPolicy
+
+import ascend_eplb
+
+from eplb_cases import README_ARGS, README_PHY2LOG, README_WEIGHT, TOPOLOGIES
 
 
 def vllm_phy2log(weight, num_replicas, num_groups, num_nodes, num_gpus):

@@ -1,7 +1,9 @@
 import pytest
 import torch
+
 from ascend_eplb.metrics import balancedness
 from ascend_eplb.policies.default import balanced_packing, rebalance_experts, replicate_experts
+
 from eplb_cases import README_ARGS, README_PHY2LOG, README_WEIGHT, TOPOLOGIES, random_weight
 
 

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from ascend_eplb.metrics import balancedness, rank_loads
 
 # Layer 0: loads 6, 2, 4 with expert 0 doubled -> replicas carry 3, 2, 3, 4;

@@ -1,7 +1,9 @@
-import ascend_eplb
 import torch
+
+import ascend_eplb
 from ascend_core.registry import EPLB_POLICIES
 from ascend_eplb.policies import default
+
 from eplb_cases import README_ARGS, README_PHY2LOG, README_WEIGHT
 
 

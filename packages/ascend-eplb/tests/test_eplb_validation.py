@@ -1,10 +1,12 @@
 import math
 
-import ascend_eplb
 import pytest
 import torch
+
+import ascend_eplb
 from ascend_core.registry import RegistryError
 from ascend_eplb import UnknownEplbPolicyError, rebalance_experts
+
 from eplb_cases import README_WEIGHT
 
 GOOD = {"num_replicas": 16, "num_groups": 4, "num_nodes": 2, "num_gpus": 8}

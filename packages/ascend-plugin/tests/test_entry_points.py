@@ -1,10 +1,10 @@
 """Target selection, the vLLM version check and registration, without an engine."""
 
 import importlib.metadata
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from ascend_plugin import entry_points, vllm_version
 from ascend_plugin.entry_points import (

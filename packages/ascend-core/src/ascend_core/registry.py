@@ -10,8 +10,8 @@ replacing one implementation with another is how wrong results hide.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Callable, Generic, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 from ascend_core.suggest import did_you_mean
 

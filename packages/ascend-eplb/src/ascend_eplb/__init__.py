@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ascend_core.registry import EPLB_POLICIES, RegistryError
 
+from ascend_core.registry import EPLB_POLICIES, RegistryError
 from ascend_eplb.__about__ import __version__
 from ascend_eplb.validation import UnknownEplbPolicyError
 

@@ -2,7 +2,8 @@
 
 Policies are called directly from core's registry as well as through
 ``ascend_eplb.rebalance_experts``, so each policy validates its own arguments
-with these helpers; errors name the argument, its value and what would be right. Wrong values raise ValueError;
+with these helpers; errors name the argument, its value and what would be right.
+Wrong values raise ValueError;
 Python objects of the wrong type (a float or str count, a weight that is no
 array) raise TypeError.
 """
@@ -13,6 +14,7 @@ import operator
 from typing import Any
 
 import torch
+
 from ascend_core.registry import RegistryError
 
 

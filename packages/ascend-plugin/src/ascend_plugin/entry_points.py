@@ -65,6 +65,9 @@ def general_plugin() -> None:
 
     target = active_target()
     if target is not None:
+        from ascend_plugin.logs import share_vllm_log_handlers
+
+        share_vllm_log_handlers()
         check_vllm_version()
     register_all()
     if target is not None:

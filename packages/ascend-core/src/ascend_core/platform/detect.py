@@ -16,10 +16,12 @@ def npu_is_visible() -> bool:
     """True if torch_npu imports and ``torch.npu.device_count() > 0``; False on any error."""
     try:
         import torch
+
         import torch_npu  # noqa: F401 - registers torch.npu
 
         count = torch.npu.device_count()
-    except Exception as error:  # no torch_npu, no CANN, no driver: all mean "no NPU"
+    # No torch_npu, no CANN, no driver: each surfaces as its own exception; all mean "no NPU".
+    except Exception as error:  # noqa: BLE001
         logger.debug("No NPU: %s: %s", type(error).__name__, error)
         return False
     return count > 0

@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import logging
 
+import vllm
 from vllm.platforms.cpu import CpuPlatform
 
 from ascend_core import envs
 from ascend_core.config import init_ascend_config
+from ascend_core.platform.common import AscendPlatformMixin
 
 logger = logging.getLogger(__name__)
 
 HOST_WORKER = "ascend_core.worker.host_worker.AscendHostWorker"
 
 
-class AscendHostPlatform(CpuPlatform):
+class AscendHostPlatform(AscendPlatformMixin, CpuPlatform):
     ascend_target = "host"
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
+        cls.log_activation(vllm.__version__)
         init_ascend_config(vllm_config.additional_config, target="host")
         envs.warn_removed()
         parallel_config = vllm_config.parallel_config

@@ -1,0 +1,1 @@
+"""Distributed communication of the npu target (HCCL through torch.distributed)."""

@@ -1,0 +1,39 @@
+"""What both Ascend platforms (npu and host) do the same way."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ascend_core import envs
+from ascend_core.suggest import did_you_mean
+
+logger = logging.getLogger(__name__)
+
+
+class AscendPlatformMixin:
+    """Mixed into AscendPlatform and AscendHostPlatform, before vLLM's base class."""
+
+    ascend_target: str
+
+    @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        """vLLM's check of ``VLLM_*`` variables, knowing the plugin's own."""
+        from vllm import envs as vllm_envs
+
+        ours = set(envs.VARIABLES) | set(envs.REMOVED)
+        for name in os.environ:
+            if not name.startswith("VLLM_") or name in vllm_envs.environment_variables:
+                continue
+            if name in ours:
+                continue
+            hint = did_you_mean(name, ours) if name.startswith(envs.PREFIX) else ""
+            message = f"Unknown vLLM environment variable detected: {name}.{hint}"
+            if hard_fail:
+                raise ValueError(message)
+            logger.warning(message)
+
+    @classmethod
+    def log_activation(cls, vllm_version: str) -> None:
+        logger.info("Ascend plugin active: %s target (%s) on vLLM %s", cls.ascend_target,
+                    cls.__name__, vllm_version)

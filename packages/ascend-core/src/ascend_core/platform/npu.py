@@ -1,0 +1,193 @@
+"""The npu target: vLLM's out-of-tree platform for Ascend NPUs, through torch_npu.
+
+Importing this module imports torch_npu, which registers the ``npu`` device and
+``torch.npu``; without torch_npu (or without the CANN libraries it loads) the import fails
+with a ``RuntimeError`` that says what to install, and that ``VLLM_ASCEND_TARGET=host`` runs
+the plugin on the CPU instead. ``ascend_core.platform.detect.npu_is_visible`` asks the same
+question without raising, for ``VLLM_ASCEND_TARGET=auto``.
+
+Device calls go through torch_npu's documented ``torch.npu`` API, so the tests run this
+module against the reference torch_npu (``testing/reference_torch_npu``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from ascend_core import envs
+from ascend_core.config import init_ascend_config
+from ascend_core.platform.common import AscendPlatformMixin
+
+try:
+    import torch_npu  # noqa: F401 - registers the npu device and torch.npu
+except Exception as error:  # CANN missing surfaces as ImportError, OSError or RuntimeError
+    raise RuntimeError(
+        f"The Ascend npu target could not import torch_npu ({type(error).__name__}: {error}). "
+        "It needs `pip install ascend-plugin[npu]` (torch-npu matching your torch) and the "
+        "CANN toolkit, with CANN's set_env.sh sourced so that its libraries (libhccl.so, ...) "
+        "load. To run the plugin on this machine's CPU instead, set VLLM_ASCEND_TARGET=host."
+    ) from error
+
+if TYPE_CHECKING:
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+logger = logging.getLogger(__name__)
+
+NPU_WORKER = "ascend_core.worker.npu_worker.NPUWorker"
+NPU_COMMUNICATOR = "ascend_core.distributed.npu_communicator.NPUCommunicator"
+
+# The block size Ascend's paged-attention kernels are tuned for.
+DEFAULT_BLOCK_SIZE = 128
+
+# Expandable segments let the NPU caching allocator grow a segment instead of keeping
+# fragments of fixed-size ones, which matters for a KV cache sized to most of the HBM.
+ALLOC_CONF_VAR = "PYTORCH_NPU_ALLOC_CONF"
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
+
+# aclnn kernels on Atlas 300I (Ascend 310P) take float16 and float32 only.
+_NO_BFLOAT16_CHIPS = ("310P",)
+
+
+class AscendPlatform(AscendPlatformMixin, Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = "npu"
+    device_type: str = "npu"
+    dispatch_key: str = "PrivateUse1"
+    ray_device_key: str = "NPU"
+    dist_backend: str = "hccl"
+    device_control_env_var: str = "ASCEND_RT_VISIBLE_DEVICES"
+    ray_noset_device_env_vars: ClassVar[list[str]] = [
+        "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"
+    ]
+    # torch.compile's Inductor has no NPU backend.
+    simple_compile_backend: str = "eager"
+
+    ascend_target = "npu"
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        # vLLM's compiled kernels (vllm._C) are built for CUDA or the CPU; the npu target's
+        # ops come from ascend-kernels through the custom-op replacements.
+        return
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return torch.npu.get_device_name(device_id)
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return torch.npu.get_device_properties(device_id).total_memory
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.inference_mode(mode=True)
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        torch.npu.set_device(device)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.npu.manual_seed_all(seed)
+
+    @classmethod
+    def empty_cache(cls) -> None:
+        torch.npu.empty_cache()
+
+    @classmethod
+    def synchronize(cls) -> None:
+        torch.npu.synchronize()
+
+    @classmethod
+    def mem_get_info(cls, device: torch.types.Device | None = None) -> tuple[int, int]:
+        """``(free, total)`` bytes of the NPU (the current one when ``device`` is None)."""
+        return torch.npu.mem_get_info(device)
+
+    @classmethod
+    def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
+        # As on CUDA: bytes held by tensors now, after dropping what the allocator caches.
+        torch.npu.empty_cache()
+        torch.npu.reset_peak_memory_stats(device)
+        return torch.npu.max_memory_allocated(device)
+
+    @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
+        name = cls.get_device_name()
+        if dtype == torch.bfloat16 and any(chip in name for chip in _NO_BFLOAT16_CHIPS):
+            raise ValueError(
+                f"{name} does not support bfloat16; pass --dtype float16 (or float32)."
+            )
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(
+                f"The npu target runs models in bfloat16, float16 or float32, not {dtype}."
+            )
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return NPU_COMMUNICATOR
+
+    @classmethod
+    def get_attn_backend_cls(
+        cls,
+        selected_backend: AttentionBackendEnum,
+        attn_selector_config: AttentionSelectorConfig,
+        num_heads: int | None = None,
+    ) -> str:
+        raise NotImplementedError(
+            "The npu target has no attention backend yet: the Ascend attention backend "
+            "(paged attention through torch_npu's fused attention ops) is not written. "
+            f"Requested backend: {selected_backend}. Until it exists, serve with "
+            "VLLM_ASCEND_TARGET=host."
+        )
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        import vllm
+
+        cls.log_activation(vllm.__version__)
+        init_ascend_config(vllm_config.additional_config, target="npu")
+        envs.warn_removed()
+
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = NPU_WORKER
+
+        cache_config = vllm_config.cache_config
+        if cache_config.block_size is None or not getattr(
+            cache_config, "user_specified_block_size", False
+        ):
+            cache_config.block_size = DEFAULT_BLOCK_SIZE
+
+        _run_eagerly(vllm_config.compilation_config)
+
+        if ALLOC_CONF_VAR not in os.environ:
+            os.environ[ALLOC_CONF_VAR] = DEFAULT_ALLOC_CONF
+
+        from ascend_core.ops.vllm_custom_ops import enable_in_compilation_config, register
+
+        register()
+        enable_in_compilation_config(vllm_config.compilation_config)
+
+
+def _run_eagerly(compilation_config: CompilationConfig) -> None:
+    """No torch.compile and no graph capture: neither has an NPU implementation here yet."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    if compilation_config.mode != CompilationMode.NONE:
+        logger.info(
+            "npu target: compilation mode %s is not supported (no Inductor backend for "
+            "NPUs); running eagerly.",
+            compilation_config.mode,
+        )
+        compilation_config.mode = CompilationMode.NONE
+    if compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+        logger.info("npu target: graph capture (ACL graphs) is not implemented yet; disabled.")
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    compilation_config.cudagraph_capture_sizes = []

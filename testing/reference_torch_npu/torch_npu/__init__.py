@@ -1,0 +1,49 @@
+"""Reference torch_npu: a test double of Ascend's torch_npu on plain torch and the CPU.
+
+For tests only; never shipped to users. Put ``testing/reference_torch_npu`` first on
+``sys.path`` and ``import torch_npu`` gives this package instead of the real one, which
+cannot be imported without CANN. It implements the torch_npu functions the plugin calls,
+following torch_npu's documentation (argument names, shapes, dtype rules), and raises on
+arguments it does not model. It stands in for the library, never for the plugin's code.
+
+What importing it does (see ``torch_npu._registration``):
+
+- renames torch's PrivateUse1 backend to ``npu``, so ``torch.device("npu:0")`` parses;
+- registers ``torch_npu.npu`` as ``torch.npu``;
+- registers the ``hccl`` distributed backend, which is gloo underneath.
+
+The "npu" device is modelled honestly as the CPU: torch cannot hold tensors on a
+PrivateUse1 device without a compiled backend, so creating one raises
+``NotImplementedError`` saying so, and the reference's functions take CPU tensors.
+Device count, names, properties and memory numbers come from a modelled machine
+configured by environment variables, read at each call:
+
+=====================================  ===========================================
+``TORCH_NPU_REFERENCE_DEVICE_COUNT``   physical NPUs in the machine (1)
+``ASCEND_RT_VISIBLE_DEVICES``          physical ids this process sees (all)
+``TORCH_NPU_REFERENCE_TOTAL_MEMORY``   bytes per NPU (64 GiB)
+``TORCH_NPU_REFERENCE_DEVICE_NAME``    device name ("Ascend910B-reference")
+=====================================  ===========================================
+
+Memory is accounted by a modelled caching allocator that tests drive through
+``torch_npu._reference`` (``simulate_allocation`` / ``simulate_free``), which also has
+``reset_state()`` and ``uninstall()``.
+
+Modelled: ``torch.npu`` device selection, properties, memory statistics, streams, events
+and seeding; ``torch_npu.npu_rms_norm`` and ``torch_npu.npu_swiglu``. Not modelled: tensors
+on the npu device, NPU graphs, profiling, formats (``npu_format_cast``), every other fused
+op; those names are absent, so their use fails. The exception is a name that libraries
+import eagerly when torch_npu is importable (transformers imports ``npu_fusion_attention``):
+it exists and raises ``NotImplementedError`` when called (``torch_npu._unmodelled``).
+"""
+
+from torch_npu import _reference, npu  # noqa: F401 - _reference: test controls
+from torch_npu._ops import npu_rms_norm, npu_swiglu
+from torch_npu._registration import install as _install
+from torch_npu._unmodelled import npu_fusion_attention
+
+__version__ = "2.13.0+reference"
+
+_install(npu)
+
+__all__ = ["npu", "npu_fusion_attention", "npu_rms_norm", "npu_swiglu"]

@@ -1,0 +1,126 @@
+"""Fused torch_npu ops, computed with plain torch on CPU tensors.
+
+Each function follows its torch_npu documentation page (argument names, shapes, dtype
+rules) and raises on what the page rules out or what the reference does not model, rather
+than computing something the real op would refuse. Arithmetic is done in float32 and the
+result cast once to the output dtype; the real kernels may round intermediates differently,
+so compare with a tolerance suited to the dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_DIMS = 8
+
+
+def _require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
+    if value.device.type != "cpu":
+        raise ValueError(
+            f"{name} is on {value.device}; the reference torch_npu computes on CPU tensors "
+            "(it stands in for NPU memory with host memory)."
+        )
+    return value
+
+
+def _require_float_dtype(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype}; supported dtypes are float16, bfloat16 and "
+            "float32."
+        )
+
+
+def _require_dims(name: str, tensor: torch.Tensor, low: int) -> None:
+    if not low <= tensor.dim() <= _MAX_DIMS:
+        raise ValueError(f"{name} must have {low} to {_MAX_DIMS} dims, got {tensor.dim()}.")
+
+
+def _require_dense(name: str, tensor: torch.Tensor) -> None:
+    if tensor.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
+                         "not supported.")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} is not contiguous; non-contiguous tensors are not supported.")
+
+
+def npu_rms_norm(self, gamma, epsilon=1e-06):
+    """``torch_npu.npu_rms_norm(self, gamma, epsilon=1e-06) -> (Tensor, Tensor)``.
+
+    Follows Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_rms_norm.md`` and, for what
+    that page leaves open, the aclnnRmsNorm kernel page it calls (``aclnnRmsNorm.md``):
+
+    - ``self``: float16, bfloat16 or float32, 1 to 8 dims (the torch_npu page says 2-8 for
+      ``self`` and ``gamma`` but its own example passes a 1-D ``gamma``; the kernel page
+      says 1-8 for both), contiguous, not empty.
+    - ``gamma``: the trailing dims of ``self`` (``gamma.shape == self.shape[n:]``), of
+      ``self``'s dtype; float32 ``gamma`` with float16/bfloat16 ``self`` is also accepted,
+      as the kernel page's dtype table allows.
+    - ``epsilon``: float added under the square root.
+
+    Returns ``(y, rstd)``: ``y = self / sqrt(mean(self**2) + epsilon) * gamma`` over the
+    dims ``gamma`` covers, in ``self``'s dtype; ``rstd = 1 / sqrt(mean(self**2) + epsilon)``
+    in float32, shaped like ``self`` with those dims set to 1 (torch_npu's meta function).
+    """
+    _require_tensor("self", self)
+    _require_tensor("gamma", gamma)
+    _require_float_dtype("self", self)
+    _require_float_dtype("gamma", gamma)
+    _require_dims("self", self, 1)
+    _require_dims("gamma", gamma, 1)
+    _require_dense("self", self)
+    _require_dense("gamma", gamma)
+    if gamma.dtype != self.dtype and not (
+        gamma.dtype == torch.float32 and self.dtype in (torch.float16, torch.bfloat16)
+    ):
+        raise TypeError(
+            f"gamma has dtype {gamma.dtype} but self has {self.dtype}; gamma must match "
+            "self's dtype (or be float32 when self is float16/bfloat16)."
+        )
+    norm_dims = gamma.dim()
+    if norm_dims > self.dim() or tuple(gamma.shape) != tuple(self.shape[self.dim() - norm_dims:]):
+        raise ValueError(
+            f"gamma's shape {tuple(gamma.shape)} must equal the trailing dims of self's shape "
+            f"{tuple(self.shape)}."
+        )
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+        raise TypeError(f"epsilon must be a float, got {type(epsilon).__name__}.")
+
+    reduce_dims = tuple(range(self.dim() - norm_dims, self.dim()))
+    x = self.float()
+    rstd = torch.rsqrt(x.pow(2).mean(dim=reduce_dims, keepdim=True) + float(epsilon))
+    y = (x * rstd * gamma.float()).to(self.dtype)
+    return y, rstd
+
+
+def npu_swiglu(input, dim=-1):
+    """``torch_npu.npu_swiglu(Tensor input, int dim=-1) -> Tensor``.
+
+    Follows Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_swiglu.md``: ``input`` is
+    split in half along ``dim`` into ``A`` (first half) and ``B`` (second half) and the
+    result is ``swish(A) * B = A * sigmoid(A) * B`` in ``input``'s dtype.
+
+    - ``input``: float32, float16 or bfloat16, 1 to 8 dims, even along ``dim``, contiguous,
+      not empty.
+    - ``dim``: int in ``[-input.dim(), input.dim() - 1]``.
+    """
+    _require_tensor("input", input)
+    _require_float_dtype("input", input)
+    _require_dims("input", input, 1)
+    _require_dense("input", input)
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}.")
+    if not -input.dim() <= dim <= input.dim() - 1:
+        raise ValueError(
+            f"dim={dim} is out of range for a {input.dim()}-dim input; use "
+            f"{-input.dim()}..{input.dim() - 1}."
+        )
+    if input.shape[dim] % 2:
+        raise ValueError(
+            f"input's size along dim {dim} is {input.shape[dim]}; it must be divisible by 2."
+        )
+    first, second = input.float().chunk(2, dim=dim)
+    return (torch.nn.functional.silu(first) * second).to(input.dtype)

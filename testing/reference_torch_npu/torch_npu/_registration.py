@@ -1,0 +1,122 @@
+"""What importing the reference does to torch, and how a test undoes what it can.
+
+Like torch_npu, the reference
+
+1. renames torch's PrivateUse1 backend to ``npu`` (``torch.utils.rename_privateuse1_backend``),
+   so ``torch.device("npu:0")`` parses and the dispatch key behind "npu" is PrivateUse1;
+2. registers ``torch_npu.npu`` as ``torch.npu`` (``torch._register_device_module``);
+3. registers the ``hccl`` distributed backend (``torch.distributed.Backend.register_backend``).
+
+What torch cannot give without a compiled backend: memory for tensors on the "npu" device.
+No kernel exists for PrivateUse1, so the reference registers a fallback that fails every op
+on an "npu" tensor with a message saying so; tensors stay on the CPU and the torch_npu
+functions of the reference compute on them. Its ``hccl`` is gloo underneath, registered for
+"cpu" and "npu" tensors, so collectives on the reference's (CPU) tensors work.
+
+The rename cannot be undone in a process, and torch.accelerator then answers from
+``torch.npu``. ``uninstall()`` therefore leaves an inert ``torch.npu`` that reports no
+NPU, so torch behaves afterwards as on a machine without one; ``hccl`` stays registered.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+DEVICE_TYPE = "npu"
+_DEFAULT_PRIVATEUSE1_NAME = "privateuseone"
+
+_fallback_library = None
+
+
+def _rename_privateuse1() -> None:
+    name = torch._C._get_privateuse1_backend_name()
+    if name == DEVICE_TYPE:
+        return
+    if name != _DEFAULT_PRIVATEUSE1_NAME:
+        raise RuntimeError(
+            f"torch's PrivateUse1 backend is already named {name!r} by another extension; "
+            "the reference torch_npu needs it as 'npu' and cannot share the process with it."
+        )
+    torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
+
+
+def _unmodelled_npu_op(op, *args, **kwargs):
+    raise NotImplementedError(
+        f"{op} was called on the 'npu' device. The reference torch_npu has no NPU memory: "
+        "its tensors stay on the CPU and its torch_npu functions take CPU tensors. Keep "
+        "tensors on the CPU when running on the reference."
+    )
+
+
+def _register_unmodelled_fallback() -> None:
+    global _fallback_library
+    if _fallback_library is None:
+        library = torch.library.Library("_", "IMPL")
+        library.fallback(_unmodelled_npu_op, dispatch_key="PrivateUse1")
+        _fallback_library = library
+
+
+def _hccl_over_gloo(store, rank, size, timeout):
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _register_hccl() -> None:
+    if not dist.is_available():
+        return
+    if "hccl" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("hccl", _hccl_over_gloo, devices=["cpu", DEVICE_TYPE])
+
+
+def install(npu_module: types.ModuleType) -> None:
+    """Make ``npu_module`` torch's ``npu`` device module (idempotent)."""
+    _rename_privateuse1()
+    registered = getattr(torch, DEVICE_TYPE, None)
+    if registered is not npu_module:
+        if registered is not None and not getattr(registered, "_reference_inert", False):
+            raise RuntimeError(
+                f"torch.npu is already {registered!r}; the reference torch_npu cannot "
+                "replace another torch_npu in the same process."
+            )
+        if registered is not None:
+            delattr(torch, DEVICE_TYPE)
+        torch._register_device_module(DEVICE_TYPE, npu_module)
+        _forget_cached_device_module()
+    _register_unmodelled_fallback()
+    _register_hccl()
+
+
+def _forget_cached_device_module() -> None:
+    # torch.get_device_module caches its answer; torch.accelerator goes through it.
+    cache_clear = getattr(torch.get_device_module, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
+
+
+def _inert_npu_module() -> types.ModuleType:
+    module = types.ModuleType("torch.npu")
+    module.__doc__ = "Left by torch_npu._reference.uninstall(): no NPU is present."
+    module._reference_inert = True
+    module.is_available = lambda: False
+    module.device_count = lambda: 0
+    # torch.manual_seed seeds a PrivateUse1 module that has these two, and warns otherwise.
+    module._is_in_bad_fork = lambda: False
+    module.manual_seed_all = lambda seed: None
+    return module
+
+
+def uninstall() -> None:
+    """Forget the reference: drop ``torch_npu`` modules, leave an inert ``torch.npu``."""
+    global _fallback_library
+    if _fallback_library is not None:
+        _fallback_library._destroy()
+        _fallback_library = None
+    if hasattr(torch, DEVICE_TYPE):
+        delattr(torch, DEVICE_TYPE)
+    torch._register_device_module(DEVICE_TYPE, _inert_npu_module())
+    _forget_cached_device_module()
+    for name in [n for n in sys.modules if n == "torch_npu" or n.startswith("torch_npu.")]:
+        del sys.modules[name]
