@@ -138,10 +138,11 @@ def install(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     """ruff, the import-direction contract, and sibling pins against versions."""
-    session.install("ruff")
+    session.install("ruff", "packaging", "pytest")
     session.run("ruff", "check", ".")
     session.run("python", str(ROOT / "tools" / "check_imports.py"))
     session.run("python", str(ROOT / "tools" / "check_pins.py"))
+    session.run("pytest", str(ROOT / "tools" / "tests"), "-q")
 
 
 @nox.session(python="3.11")
