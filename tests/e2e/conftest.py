@@ -26,9 +26,7 @@ PROMPTS = [
     "for i in range(10):",
 ]
 
-# Environment of a stock vLLM run: the plugin installed but inactive (auto, no NPU).
 BASE_ENV = {
-    "VLLM_ASCEND_TARGET": "auto",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     # collective_rpc ships run_llm.probe_worker to the workers by value.
@@ -36,9 +34,16 @@ BASE_ENV = {
 }
 
 
+def _environment(env: dict | None) -> dict:
+    # Without VLLM_ASCEND_TARGET (the default, auto) the plugin is installed but must
+    # stay inactive on this machine, which has no NPU: that is the stock vLLM run.
+    full_env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_TARGET"}
+    return {**full_env, **BASE_ENV, **(env or {})}
+
+
 def run_vllm(args: dict, env: dict | None = None, timeout: float = 600) -> dict:
     """Run run_llm.py in a fresh process; return its JSON result or fail with its log."""
-    full_env = {**os.environ, **BASE_ENV, **(env or {})}
+    full_env = _environment(env)
     proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), json.dumps(args)],
                           env=full_env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
@@ -52,7 +57,7 @@ def run_vllm(args: dict, env: dict | None = None, timeout: float = 600) -> dict:
 
 def start_failure(args: dict, env: dict, timeout: float = 300) -> str:
     """Run a configuration that must fail at start-up; return its combined output."""
-    full_env = {**os.environ, **BASE_ENV, **env}
+    full_env = _environment(env)
     proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), json.dumps(args)],
                           env=full_env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode != 0, f"expected a start-up failure, got:\n{proc.stdout[-2000:]}"

@@ -15,6 +15,7 @@ from conftest import PROMPTS
 def server(llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with running_server(llama_dir, extra_args=["--dtype", "float32", "--enforce-eager"],
+                        env={"VLLM_ASCEND_TARGET": "host"},
                         log_path=str(log)) as url:
         yield url, log
 

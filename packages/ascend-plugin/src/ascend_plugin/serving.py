@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 
+# Defaults only: a user's own setting (VLLM_ASCEND_TARGET=npu on an NPU machine) wins.
 HOST_DEFAULTS = {
     "VLLM_ASCEND_TARGET": "host",
     # The CPU backend's KV cache, in GiB; its default share of RAM fails on small machines.
@@ -44,7 +45,7 @@ def running_server(model: str, *, port: int | None = None, extra_args: Sequence[
                    timeout: float = 600) -> Iterator[str]:
     """Run the server until the block ends; yields its base URL."""
     port = port or free_port()
-    full_env = {**os.environ, **HOST_DEFAULTS, **(env or {})}
+    full_env = {**HOST_DEFAULTS, **os.environ, **(env or {})}
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(server_command(model, port, extra_args), env=full_env,
                             stdout=log, stderr=subprocess.STDOUT)
