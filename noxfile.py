@@ -26,18 +26,23 @@ PYTHONS = ["3.11", "3.12"]
 
 
 def _let_pyenv_shims_find_every_python() -> None:
-    """pyenv's shims answer only for the selected version; select each we test on."""
-    if "PYENV_VERSION" in os.environ or not shutil.which("pyenv"):
+    """pyenv's shims answer only for the selected versions; add each Python we test on.
+
+    pyenv's own shim sets PYENV_VERSION to the running version, so extend it rather
+    than replace it (the first entry stays what `python3` means).
+    """
+    if not shutil.which("pyenv"):
         return
     installed = subprocess.run(["pyenv", "versions", "--bare"], capture_output=True,
                                text=True).stdout.split()
-    chosen = []
+    selected = [v for v in os.environ.get("PYENV_VERSION", "").split(":") if v]
     for minor in PYTHONS:
         matches = [v for v in installed if re.fullmatch(re.escape(minor) + r"\.\d+", v)]
-        if matches:
-            chosen.append(max(matches, key=lambda v: int(v.rsplit(".", 1)[1])))
-    if chosen:
-        os.environ["PYENV_VERSION"] = ":".join(chosen)
+        if matches and not any(re.fullmatch(re.escape(minor) + r"(\.\d+)?", v)
+                               for v in selected):
+            selected.append(max(matches, key=lambda v: int(v.rsplit(".", 1)[1])))
+    if selected:
+        os.environ["PYENV_VERSION"] = ":".join(selected)
 
 
 _let_pyenv_shims_find_every_python()
