@@ -117,9 +117,14 @@ def e2e(session: nox.Session) -> None:
     _install_torch(session)
     _install_vllm(session)
     session.install("pytest", "requests", *[f"-e{p}" for p in _local(*ALL)])
-    crosschecks = sorted(str(p) for p in PACKAGES.glob(f"*/tests/**/{VLLM_CROSSCHECKS}"))
-    session.run("pytest", str(ROOT / "tests" / "e2e"), *crosschecks, "-v",
-                "--durations=15", *session.posargs)
+    session.run("pytest", str(ROOT / "tests" / "e2e"), "-v", "--durations=15",
+                *session.posargs)
+    # Each package's comparisons with vLLM's own implementations, from its own tests
+    # folder (its conftest) as rootdir.
+    for package in sorted(PACKAGES.iterdir()):
+        crosschecks = sorted(str(p) for p in (package / "tests").glob(VLLM_CROSSCHECKS))
+        if crosschecks:
+            session.run("pytest", *crosschecks, "-q", "--rootdir", str(package / "tests"))
 
 
 @nox.session(python="3.11", reuse_venv=False)

@@ -6,62 +6,9 @@ configuration runs once per test session and tests share the results.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-HERE = pathlib.Path(__file__).parent
-PROMPTS = [
-    "The quick brown fox",
-    "def fibonacci(n):",
-    "Copyright (c) 2001 Python Software Foundation",
-    "Permission is hereby granted",
-    "import os\nimport sys\n",
-    "Hello, my name is",
-    "In the beginning",
-    "for i in range(10):",
-]
-
-BASE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    # collective_rpc ships run_llm.probe_worker to the workers by value.
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-}
-
-
-def _environment(env: dict | None) -> dict:
-    # Without VLLM_ASCEND_TARGET (the default, auto) the plugin is installed but must
-    # stay inactive on this machine, which has no NPU: that is the stock vLLM run.
-    full_env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_TARGET"}
-    return {**full_env, **BASE_ENV, **(env or {})}
-
-
-def run_vllm(args: dict, env: dict | None = None, timeout: float = 600) -> dict:
-    """Run run_llm.py in a fresh process; return its JSON result or fail with its log."""
-    full_env = _environment(env)
-    proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), json.dumps(args)],
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise AssertionError(
-        f"vLLM run failed (exit {proc.returncode}) for {args} with {env}:\n"
-        f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-
-
-def start_failure(args: dict, env: dict, timeout: float = 300) -> str:
-    """Run a configuration that must fail at start-up; return its combined output."""
-    full_env = _environment(env)
-    proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), json.dumps(args)],
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode != 0, f"expected a start-up failure, got:\n{proc.stdout[-2000:]}"
-    return proc.stdout + proc.stderr
+from vllm_runs import PROMPTS, run_vllm
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import PROMPTS, run_vllm, start_failure
+from vllm_runs import PROMPTS, run_vllm, start_failure
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
 

@@ -8,7 +8,7 @@ import pytest
 
 from ascend_plugin.serving import chat, complete, post_json, running_server
 
-from conftest import PROMPTS
+from vllm_runs import PROMPTS
 
 
 @pytest.fixture(scope="module")
