@@ -65,8 +65,9 @@ SIBLINGS = {
 }
 ALL = ["ascend-kernels", "ascend-core", "ascend-quant", "ascend-specdec", "ascend-eplb",
        "ascend-plugin"]
-# Tests that compare against vLLM's own implementation run where vLLM is installed.
-VLLM_CROSSCHECKS = "test_against_vllm*.py"
+# A leaf package's tests that need vLLM (comparisons with vLLM's own implementation,
+# its vLLM glue) run in the e2e session, where vLLM is installed.
+NEEDS_VLLM = ("test_against_vllm*.py", "test_vllm_*.py")
 
 
 def _install_torch(session: nox.Session) -> None:
@@ -88,8 +89,8 @@ def tests(session: nox.Session, package: str) -> None:
     """Unit tests of the packages that need no vLLM, on every Python we support."""
     _install_torch(session)
     session.install("pytest", *_local(*SIBLINGS[package], package))
-    session.run("pytest", str(PACKAGES / package / "tests"), "-q",
-                f"--ignore-glob=*{VLLM_CROSSCHECKS}", *session.posargs)
+    ignores = [f"--ignore-glob=*{pattern}" for pattern in NEEDS_VLLM]
+    session.run("pytest", str(PACKAGES / package / "tests"), "-q", *ignores, *session.posargs)
 
 
 @nox.session(python="3.11")
@@ -119,12 +120,13 @@ def e2e(session: nox.Session) -> None:
     session.install("pytest", "requests", *[f"-e{p}" for p in _local(*ALL)])
     session.run("pytest", str(ROOT / "tests" / "e2e"), "-v", "--durations=15",
                 *session.posargs)
-    # Each package's comparisons with vLLM's own implementations, from its own tests
-    # folder (its conftest) as rootdir.
-    for package in sorted(PACKAGES.iterdir()):
-        crosschecks = sorted(str(p) for p in (package / "tests").glob(VLLM_CROSSCHECKS))
-        if crosschecks:
-            session.run("pytest", *crosschecks, "-q", "--rootdir", str(package / "tests"))
+    # The leaf packages' tests that need vLLM, each package from its own tests folder
+    # (its conftest) as rootdir.
+    for name in SIBLINGS:
+        tests = PACKAGES / name / "tests"
+        needing_vllm = sorted({str(p) for pattern in NEEDS_VLLM for p in tests.glob(pattern)})
+        if needing_vllm:
+            session.run("pytest", *needing_vllm, "-q", "--rootdir", str(tests))
 
 
 @nox.session(python="3.11", reuse_venv=False)
