@@ -88,7 +88,8 @@ def _local(*names: str) -> list[str]:
 def tests(session: nox.Session, package: str) -> None:
     """Unit tests of the packages that need no vLLM, on every Python we support."""
     _install_torch(session)
-    session.install("pytest", *_local(*SIBLINGS[package], package))
+    # The package's own `test` extra (pip notes and ignores one a package lacks).
+    session.install("pytest", *_local(*SIBLINGS[package]), f"{PACKAGES / package}[test]")
     ignores = [f"--ignore-glob=*{pattern}" for pattern in NEEDS_VLLM]
     session.run("pytest", str(PACKAGES / package / "tests"), "-q", *ignores, *session.posargs)
 
@@ -117,7 +118,8 @@ def e2e(session: nox.Session) -> None:
     """The host target through real vLLM (LLM and the OpenAI server), tiny models."""
     _install_torch(session)
     _install_vllm(session)
-    session.install("pytest", "requests", *[f"-e{p}" for p in _local(*ALL)])
+    session.install("pytest", *[f"-e{p}" for p in _local(*ALL)],
+                    *(f"{PACKAGES / name}[test]" for name in SIBLINGS))
     session.run("pytest", str(ROOT / "tests" / "e2e"), "-v", "--durations=15",
                 *session.posargs)
     # The leaf packages' tests that need vLLM, each package from its own tests folder

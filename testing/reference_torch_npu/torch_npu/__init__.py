@@ -39,6 +39,20 @@ it exists and raises ``NotImplementedError`` when called (``torch_npu._unmodelle
 
 from torch_npu import _reference, npu  # noqa: F401 - _reference: test controls
 from torch_npu._ops import npu_rms_norm, npu_swiglu
+from torch_npu._ops_norm_quant import (
+    npu_add_rms_norm,
+    npu_add_rms_norm_dynamic_quant,
+    npu_add_rms_norm_quant,
+    npu_apply_rotary_pos_emb,
+    npu_dynamic_quant,
+    npu_quant_matmul,
+    npu_rotary_mul,
+)
+from torch_npu._ops_routing import (
+    npu_moe_gating_top_k,
+    npu_moe_gating_top_k_softmax,
+    npu_top_k_top_p,
+)
 from torch_npu._registration import install as _install
 from torch_npu._unmodelled import npu_fusion_attention
 
@@ -46,4 +60,7 @@ __version__ = "2.13.0+reference"
 
 _install(npu)
 
-__all__ = ["npu", "npu_fusion_attention", "npu_rms_norm", "npu_swiglu"]
+__all__ = ["npu", "npu_fusion_attention", "npu_rms_norm", "npu_swiglu",
+           "npu_add_rms_norm", "npu_add_rms_norm_dynamic_quant", "npu_add_rms_norm_quant",
+           "npu_apply_rotary_pos_emb", "npu_dynamic_quant", "npu_quant_matmul", "npu_rotary_mul",
+           "npu_moe_gating_top_k", "npu_moe_gating_top_k_softmax", "npu_top_k_top_p"]

@@ -1,0 +1,53 @@
+"""The references against vLLM's own native implementations (where vLLM is installed;
+the nox e2e session runs this file, which needs vLLM)."""
+
+import pytest
+import torch
+import vllm  # noqa: E402,F401  (this file runs where vLLM is installed)
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.model_executor.layers.activation import SiluAndMul  # noqa: E402
+from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+
+from ascend_kernels import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+
+from conftest import needs_triton
+
+
+@pytest.fixture(autouse=True)
+def vllm_config():
+    # vLLM's layers read the current config when they are built.
+    with set_current_vllm_config(VllmConfig()):
+        yield
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("head_size, rotary_dim", [(64, 64), (64, 32)])
+def test_rotary_embedding_equals_vllm_forward_native(backend, neox, head_size, rotary_dim):
+    torch.manual_seed(0)
+    layer = RotaryEmbedding(head_size, rotary_dim, 64, 10000.0, neox, torch.float32)
+    positions = torch.tensor([0, 9, 63, 4])
+    query, key = torch.randn(4, 4 * head_size), torch.randn(4, 2 * head_size)
+    want_q, want_k = layer.forward_native(positions, query.clone(), key.clone())
+    got_q, got_k = rotary_embedding(positions, query, key, layer.cos_sin_cache, head_size,
+                                    neox, backend=backend)
+    torch.testing.assert_close(got_q, want_q.reshape(query.shape), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k.reshape(key.shape), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_norms_and_silu_equal_vllm_forward_native(backend):
+    torch.manual_seed(1)
+    x, residual = torch.randn(3, 96), torch.randn(3, 96)
+    layer = RMSNorm(96, eps=1e-5)
+    layer.weight.data.uniform_(0.5, 1.5)
+    torch.testing.assert_close(rms_norm(x, layer.weight.data, 1e-5, backend=backend),
+                               layer.forward_native(x.clone()), atol=1e-5, rtol=1e-5)
+    want_out, want_residual = layer.forward_native(x.clone(), residual.clone())
+    got_out, got_residual = add_rms_norm(x, residual, layer.weight.data, 1e-5, backend=backend)
+    torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_residual, want_residual)
+    gate_up = torch.randn(3, 2 * 40)
+    torch.testing.assert_close(silu_and_mul(gate_up, backend=backend),
+                               SiluAndMul().forward_native(gate_up), atol=1e-6, rtol=1e-5)
