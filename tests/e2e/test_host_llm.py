@@ -23,7 +23,8 @@ def test_host_target_runs_the_plugin_stack(plugin_llama):
     assert worker["model_runner"] == (
         "ascend_core.worker.host_model_runner.AscendHostModelRunner")
     # The model's norm and activation layers are the plugin's replacements.
-    assert {"AscendRMSNorm", "AscendSiluAndMul"} <= set(worker["layer_classes"])
+    assert {"AscendRMSNorm", "AscendRotaryEmbedding", "AscendSiluAndMul"} <= set(
+        worker["layer_classes"])
 
 
 def test_host_greedy_tokens_equal_stock(stock_llama, plugin_llama):

@@ -6,9 +6,15 @@ from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 from ascend_core.ops import vllm_custom_ops
-from ascend_core.ops.vllm_custom_ops import AscendRMSNorm, AscendSiluAndMul, register_with_vllm
+from ascend_core.ops.vllm_custom_ops import (
+    AscendRMSNorm,
+    AscendRotaryEmbedding,
+    AscendSiluAndMul,
+    register_with_vllm,
+)
 from ascend_core.registry import CUSTOM_OPS
 
 
@@ -22,10 +28,12 @@ def vllm_context():
 
 
 def test_registration_makes_vllm_build_our_layers(vllm_context):
-    assert register_with_vllm() == ["RMSNorm", "SiluAndMul"]
+    assert register_with_vllm() == ["RMSNorm", "RotaryEmbedding", "SiluAndMul"]
     assert register_with_vllm() == []  # once per process, however often plugins load
     assert type(RMSNorm(64)) is AscendRMSNorm
     assert type(SiluAndMul()) is AscendSiluAndMul
+    assert type(RotaryEmbedding(64, 64, 128, 10000.0, True, torch.float32)) is (
+        AscendRotaryEmbedding)
     assert CUSTOM_OPS.get("RMSNorm") is AscendRMSNorm
 
 
@@ -66,3 +74,23 @@ def test_user_disabled_op_stays_disabled():
     vllm_custom_ops.register()
     vllm_custom_ops.enable_in_compilation_config(config)
     assert "+RMSNorm" not in config.custom_ops and "+SiluAndMul" in config.custom_ops
+
+
+@pytest.mark.parametrize("is_neox_style, rotary_dim", [(True, 64), (False, 64), (True, 32)])
+def test_rotary_embedding_equals_vllms(vllm_context, is_neox_style, rotary_dim):
+    torch.manual_seed(0)
+    rope = AscendRotaryEmbedding(64, rotary_dim, 256, 10000.0, is_neox_style, torch.float32)
+    positions = torch.randint(0, 256, (7,))
+    query, key = torch.randn(7, 4 * 64), torch.randn(7, 2 * 64)
+    ref_q, ref_k = rope.forward_native(positions, query.clone(), key.clone())
+    q, k = query.clone(), key.clone()
+    out_q, out_k = rope.forward_cpu(positions, q, k)
+    torch.testing.assert_close(out_q, ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_k, ref_k, atol=1e-5, rtol=1e-5)
+    assert out_q.data_ptr() == q.data_ptr()  # in place, like vLLM's device kernels
+
+
+def test_rope_launch_size_comes_from_the_environment(vllm_context, monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_ROPE_UB_SIZE_KB", "96")
+    rope = AscendRotaryEmbedding(64, 64, 128, 10000.0, True, torch.float32)
+    assert rope.ub_size_kb == 96

@@ -13,8 +13,10 @@ import torch
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 import ascend_kernels
+from ascend_core import envs
 from ascend_core.registry import CUSTOM_OPS
 
 
@@ -23,11 +25,26 @@ class AscendRMSNorm(RMSNorm):
         if self.variance_size_override is not None:
             # Norm over a prefix of the hidden size: not an op of ours yet.
             return self.forward_native(x, residual)
-        if residual is not None:
-            x = x + residual
-            residual = x
-        out = ascend_kernels.rms_norm(x, self.weight.data, self.variance_epsilon)
-        return out if residual is None else (out, residual)
+        if residual is None:
+            return ascend_kernels.rms_norm(x, self.weight.data, self.variance_epsilon)
+        return ascend_kernels.add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)
+
+    forward_cpu = forward_oot
+
+
+class AscendRotaryEmbedding(RotaryEmbedding):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Sizes the Triton launch on npu; read once, not per forward.
+        self.ub_size_kb = envs.VLLM_ASCEND_ROPE_UB_SIZE_KB
+
+    def forward_oot(self, positions: torch.Tensor, query: torch.Tensor,
+                    key: torch.Tensor | None = None):
+        cos_sin_cache = self._match_cos_sin_cache_dtype(query)
+        # In place, as vLLM's own device implementations are.
+        return ascend_kernels.rotary_embedding(
+            positions, query, key, cos_sin_cache, self.head_size, self.is_neox_style,
+            inplace=True, ub_size_kb=self.ub_size_kb)
 
     forward_cpu = forward_oot
 
@@ -42,6 +59,7 @@ class AscendSiluAndMul(SiluAndMul):
 def register() -> None:
     """Put the replacements in core's custom-op registry (no vLLM side effect)."""
     CUSTOM_OPS.register("RMSNorm", AscendRMSNorm)
+    CUSTOM_OPS.register("RotaryEmbedding", AscendRotaryEmbedding)
     CUSTOM_OPS.register("SiluAndMul", AscendSiluAndMul)
 
 
