@@ -18,6 +18,11 @@ README_PHY2LOG = torch.tensor(
     ]
 )
 
+# The FlashLB paper's example: 8 experts on 8 ranks with 2 slots each (global placement).
+# DeepSeek's greedy gives a peak rank load of 232; FlashLB reports 205.
+FLASHLB_WEIGHT = torch.tensor([[600.0, 560, 120, 120, 20, 10, 10, 10]])
+FLASHLB_ARGS = {"num_replicas": 16, "num_groups": 1, "num_nodes": 1, "num_gpus": 8}
+
 # (num_layers, num_experts, num_replicas, num_groups, num_nodes, num_gpus); hierarchical
 # when num_groups % num_nodes == 0, global otherwise.
 TOPOLOGIES = [
@@ -35,3 +40,31 @@ def random_weight(num_layers: int, num_experts: int, seed: int) -> torch.Tensor:
     """Skewed random loads (distinct almost surely, so no ties)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.rand(num_layers, num_experts, generator=gen, dtype=torch.float64) ** 3 * 1000
+
+
+def check_placement(weight, phy2log, log2phy, logcnt, num_replicas, num_gpus):
+    num_layers, num_experts = weight.shape
+    assert phy2log.shape == (num_layers, num_replicas)
+    assert logcnt.shape == (num_layers, num_experts)
+    assert log2phy.shape[:2] == (num_layers, num_experts)
+    assert phy2log.dtype == log2phy.dtype == logcnt.dtype == torch.int64
+    assert log2phy.shape[2] == int(logcnt.max())
+
+    assert (logcnt >= 1).all(), "every logical expert needs a replica"
+    assert (logcnt.sum(dim=-1) == num_replicas).all()
+    counted = torch.zeros_like(logcnt).scatter_add_(-1, phy2log, torch.ones_like(phy2log))
+    assert torch.equal(counted, logcnt)
+
+    # log2phy lists exactly the slots of each expert, then -1 padding.
+    for layer in range(num_layers):
+        for expert in range(num_experts):
+            slots = log2phy[layer, expert]
+            n = int(logcnt[layer, expert])
+            assert (slots[n:] == -1).all()
+            assert sorted(slots[:n].tolist()) == (phy2log[layer] == expert).nonzero().flatten().tolist()
+
+    # Every GPU gets num_replicas / num_gpus slots and the slots hold every expert.
+    assert num_replicas % num_gpus == 0
+    per_gpu = phy2log.view(num_layers, num_gpus, num_replicas // num_gpus)
+    for layer in range(num_layers):
+        assert set(per_gpu[layer].flatten().tolist()) == set(range(num_experts))

@@ -4,35 +4,14 @@ import torch
 from ascend_eplb.metrics import balancedness
 from ascend_eplb.policies.default import balanced_packing, rebalance_experts, replicate_experts
 
-from eplb_cases import README_ARGS, README_PHY2LOG, README_WEIGHT, TOPOLOGIES, random_weight
-
-
-def check_placement(weight, phy2log, log2phy, logcnt, num_replicas, num_gpus):
-    num_layers, num_experts = weight.shape
-    assert phy2log.shape == (num_layers, num_replicas)
-    assert logcnt.shape == (num_layers, num_experts)
-    assert log2phy.shape[:2] == (num_layers, num_experts)
-    assert phy2log.dtype == log2phy.dtype == logcnt.dtype == torch.int64
-    assert log2phy.shape[2] == int(logcnt.max())
-
-    assert (logcnt >= 1).all(), "every logical expert needs a replica"
-    assert (logcnt.sum(dim=-1) == num_replicas).all()
-    counted = torch.zeros_like(logcnt).scatter_add_(-1, phy2log, torch.ones_like(phy2log))
-    assert torch.equal(counted, logcnt)
-
-    # log2phy lists exactly the slots of each expert, then -1 padding.
-    for layer in range(num_layers):
-        for expert in range(num_experts):
-            slots = log2phy[layer, expert]
-            n = int(logcnt[layer, expert])
-            assert (slots[n:] == -1).all()
-            assert sorted(slots[:n].tolist()) == (phy2log[layer] == expert).nonzero().flatten().tolist()
-
-    # Every GPU gets num_replicas / num_gpus slots and the slots hold every expert.
-    assert num_replicas % num_gpus == 0
-    per_gpu = phy2log.view(num_layers, num_gpus, num_replicas // num_gpus)
-    for layer in range(num_layers):
-        assert set(per_gpu[layer].flatten().tolist()) == set(range(num_experts))
+from eplb_cases import (
+    README_ARGS,
+    README_PHY2LOG,
+    README_WEIGHT,
+    TOPOLOGIES,
+    check_placement,
+    random_weight,
+)
 
 
 def test_readme_example_phy2log():

@@ -2,11 +2,13 @@
 
 ``rebalance_experts`` computes a placement of physical experts onto GPUs from
 per-expert loads with a named policy from core's ``EPLB_POLICIES`` registry;
-``register()`` fills that registry with this package's policies. Imports no vLLM.
+``register()`` fills that registry with this package's policies (``default``,
+``swift``, ``flashlb``). Imports no vLLM.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -15,7 +17,9 @@ from ascend_core.registry import EPLB_POLICIES, RegistryError
 from ascend_eplb.__about__ import __version__
 from ascend_eplb.validation import UnknownEplbPolicyError
 
-__all__ = ["UnknownEplbPolicyError", "__version__", "rebalance_experts", "register"]
+__all__ = ["POLICY_NAMES", "UnknownEplbPolicyError", "__version__", "rebalance_experts", "register"]
+
+POLICY_NAMES = ("default", "flashlb", "swift")
 
 
 def register() -> None:
@@ -23,9 +27,11 @@ def register() -> None:
 
     Idempotent: the registry accepts the same function under the same name again.
     """
-    from ascend_eplb.policies.default import rebalance_experts as default_policy
+    from ascend_eplb.policies import default, flashlb, swift
 
-    EPLB_POLICIES.register("default", default_policy)
+    EPLB_POLICIES.register("default", default.rebalance_experts)
+    EPLB_POLICIES.register("flashlb", flashlb.rebalance_experts)
+    EPLB_POLICIES.register("swift", swift.rebalance_experts)
 
 
 def rebalance_experts(
@@ -35,15 +41,41 @@ def rebalance_experts(
     num_nodes: int,
     num_gpus: int,
     policy: str = "default",
+    **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(phy2log, log2phy, logcnt)`` from the EPLB policy named ``policy``.
 
     See ``ascend_eplb.policies.default.rebalance_experts`` for the arguments and the
-    shapes; every registered policy shares that signature.
+    shapes; every registered policy shares that signature. ``options`` are keyword
+    arguments of the chosen policy, e.g. ``previous=phy2log`` (all three policies),
+    ``max_moves_per_layer=`` and ``threshold=`` (``swift``); an option the policy does
+    not take raises ``TypeError`` naming the ones it does.
     """
     register()
     try:
         policy_fn = EPLB_POLICIES.get(policy)
     except RegistryError as err:
         raise UnknownEplbPolicyError(str(err)) from None
-    return policy_fn(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    if options:
+        _check_options(policy, policy_fn, options)
+    return policy_fn(weight, num_replicas, num_groups, num_nodes, num_gpus, **options)
+
+
+def _check_options(policy: str, policy_fn: Any, options: dict[str, Any]) -> None:
+    try:
+        parameters = inspect.signature(policy_fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: let the call decide
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    accepted = [
+        name
+        for name, p in parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise TypeError(
+            f"EPLB policy {policy!r} takes no option {', '.join(map(repr, unknown))}; "
+            f"its options are: {', '.join(accepted) or 'none'}"
+        )

@@ -14,14 +14,23 @@ algorithm is defined):
 
 Otherwise the placement is global: the same procedure with one node and one group.
 
-Ties are broken deterministically: among equal loads the lower index comes first
-(stable sorts, first-index argmin/argmax), as in the reference implementation.
+The placement is identical to vLLM's ``DefaultEplbPolicy`` (the de facto standard), ties
+included: loads are read at float32 precision as vLLM (and DeepSeek's reference) read
+them, group loads are float32 sums and everything after is float64, as in vLLM; items
+are ordered with the same numpy ``argsort`` call, so equal loads come in the same order
+(numpy's default sort is not stable: with exact ties the order is numpy's, not by
+index); argmin/argmax take the first index. Zipf loads with s = 1 have many exact ties
+(the expert ranked 2r carries exactly half of the one ranked r), and there other tie
+orders give other placements, better or worse by a few thousandths of balancedness.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from ascend_eplb._threads import one_thread
+from ascend_eplb.placement import align_to_previous, check_phy2log, log2phy_from_phy2log
 from ascend_eplb.validation import as_load_matrix, check_topology, positive_int
 
 __all__ = ["balanced_packing", "rebalance_experts", "replicate_experts"]
@@ -48,20 +57,38 @@ def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor
         pack_index = torch.arange(num_items, dtype=torch.int64).expand(num_rows, -1).clone()
         return pack_index, torch.zeros_like(pack_index)
 
-    order = torch.sort(weight, dim=-1, descending=True, stable=True).indices
-    rows = torch.arange(num_rows)
-    pack_load = torch.zeros(num_rows, num_packs, dtype=weight.dtype)
+    # Heaviest first, ordered by the very call vLLM makes (same ties, same placement).
+    order = torch.from_numpy(np.argsort(-weight.numpy(), axis=-1)).to(torch.int64)
+    sorted_weight = weight.to(torch.float64).gather(-1, order)
+    # Open packs hold their load; a full pack holds +inf so argmin never picks it again.
+    open_load = torch.zeros(num_rows, num_packs, dtype=torch.float64)
     pack_size = torch.zeros(num_rows, num_packs, dtype=torch.int64)
-    pack_index = torch.empty(num_rows, num_items, dtype=torch.int64)
-    rank_in_pack = torch.empty(num_rows, num_items, dtype=torch.int64)
-    for step in range(num_items):
-        item = order[:, step]
-        open_load = pack_load.masked_fill(pack_size == items_per_pack, float("inf"))
-        pack = open_load.argmin(dim=-1)
-        pack_index[rows, item] = pack
-        rank_in_pack[rows, item] = pack_size[rows, pack]
-        pack_load[rows, pack] += weight[rows, item]
-        pack_size[rows, pack] += 1
+    picks = torch.empty(num_rows, num_items, dtype=torch.int64)  # pack of the step-th heaviest
+    first_step = 0
+    if num_rows and (num_packs < 2 or bool((sorted_weight[:, num_packs - 2] > 0).all())):
+        # With positive loads the first num_packs items go to the empty packs in index
+        # order (argmin's first zero), so those steps need no loop.
+        picks[:, :num_packs] = torch.arange(num_packs)
+        open_load.copy_(sorted_weight[:, :num_packs])
+        pack_size.fill_(1)
+        first_step = num_packs
+    one = torch.ones(num_rows, 1, dtype=torch.int64)
+    item_columns = sorted_weight.t().contiguous().unsqueeze(-1)  # [n, rows, 1]
+    pick_columns = picks.t()
+    for step in range(first_step, num_items):
+        pack = open_load.argmin(dim=-1, keepdim=True)
+        pick_columns[step] = pack[:, 0]
+        open_load.scatter_add_(-1, pack, item_columns[step])
+        pack_size.scatter_add_(-1, pack, one)
+        open_load.masked_fill_(pack_size == items_per_pack, float("inf"))
+
+    # Every pack gets exactly items_per_pack items, so after a stable sort by pack the
+    # q-th item is number q % items_per_pack of its pack, in placement order.
+    by_pack = torch.sort(picks, dim=-1, stable=True).indices
+    positions = torch.arange(num_items, dtype=torch.int64) % items_per_pack
+    rank_sorted = torch.empty_like(picks).scatter_(-1, by_pack, positions.expand(num_rows, -1))
+    pack_index = torch.empty_like(picks).scatter_(-1, order, picks)
+    rank_in_pack = torch.empty_like(picks).scatter_(-1, order, rank_sorted)
     return pack_index, rank_in_pack
 
 
@@ -83,15 +110,22 @@ def replicate_experts(
         logcnt: [rows, num_logical] int64, replicas per logical expert.
     """
     num_rows, num_logical = weight.shape
-    rows = torch.arange(num_rows)
     phy2log = torch.arange(num_physical, dtype=torch.int64).expand(num_rows, -1).clone()
     phy_rank = torch.zeros(num_rows, num_physical, dtype=torch.int64)
     logcnt = torch.ones(num_rows, num_logical, dtype=torch.int64)
+    # Only the chosen expert's load per replica changes in a step; updating that one
+    # entry gives bit-identical values to recomputing weight / logcnt every step.
+    per_replica = weight.clone()
+    phy2log_columns = phy2log.t()
+    phy_rank_columns = phy_rank.t()
     for slot in range(num_logical, num_physical):
-        expert = (weight / logcnt).argmax(dim=-1)
-        phy2log[:, slot] = expert
-        phy_rank[:, slot] = logcnt[rows, expert]
-        logcnt[rows, expert] += 1
+        expert = per_replica.argmax(dim=-1, keepdim=True)
+        phy2log_columns[slot] = expert[:, 0]
+        count = logcnt.gather(-1, expert)
+        phy_rank_columns[slot] = count[:, 0]
+        count += 1
+        logcnt.scatter_(-1, expert, count)
+        per_replica.scatter_(-1, expert, weight.gather(-1, expert) / count)
     return phy2log, phy_rank, logcnt
 
 
@@ -116,7 +150,10 @@ def _rebalance_hierarchical(
 
     # Step 1: groups -> nodes. "mlog" renumbers logical experts so that each node's
     # experts are contiguous (node-major, then group rank in node, then expert in group).
-    group_load = weight.view(num_layers, num_groups, group_size).sum(dim=-1)
+    # float32 sums, as vLLM computes them (other roundings can flip near-ties)
+    group_load = torch.from_numpy(
+        weight.to(torch.float32).numpy().reshape(num_layers, num_groups, group_size).sum(axis=-1)
+    )
     group_node, group_rank = balanced_packing(group_load, num_nodes)
     first_mlog_of_group = (group_node * groups_per_node + group_rank) * group_size
     log2mlog = (
@@ -143,12 +180,15 @@ def _rebalance_hierarchical(
     return phy2log, phy_rank, logcnt
 
 
+@one_thread
 def rebalance_experts(
     weight: torch.Tensor,
     num_replicas: int,
     num_groups: int,
     num_nodes: int,
     num_gpus: int,
+    *,
+    previous: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Place ``num_replicas`` physical experts onto ``num_gpus`` GPUs from expert loads.
 
@@ -162,6 +202,10 @@ def rebalance_experts(
             ``num_experts`` must be a multiple of ``num_groups``.
         num_nodes: server nodes (the intra-node network is the faster one).
         num_gpus: GPUs (ranks) in all, a multiple of ``num_nodes``.
+        previous: optional [layers, num_replicas] placement in service; when given, the
+            slots inside each GPU are reordered so that experts already on that GPU keep
+            their old slots (like vLLM's ``old_global_expert_indices``). GPU contents,
+            and so the balance, are unchanged; ``log2phy`` then lists slots in order.
 
     Returns:
         phy2log: [layers, num_replicas] int64, the logical expert of each physical slot;
@@ -171,7 +215,11 @@ def rebalance_experts(
             over all layers.
         logcnt: [layers, num_experts] int64, replicas per logical expert.
     """
-    weight = as_load_matrix(weight)
+    # Loads rounded to float32, as DeepSeek's reference and vLLM read them, then handled
+    # in float64 like vLLM's packing and replication: the greedy steps then take the same
+    # decisions as vLLM's DefaultEplbPolicy (rounding differently flips near-ties and
+    # with them whole placements).
+    weight = as_load_matrix(weight).to(torch.float32).to(torch.float64)
     num_replicas = positive_int("num_replicas", num_replicas)
     num_groups = positive_int("num_groups", num_groups)
     num_nodes = positive_int("num_nodes", num_nodes)
@@ -192,6 +240,19 @@ def rebalance_experts(
         )
     else:
         phy2log, phy_rank, logcnt = _rebalance_hierarchical(weight, num_replicas, 1, 1, num_gpus)
+
+    if previous is not None:
+        previous = check_phy2log(
+            previous,
+            num_experts,
+            num_gpus,
+            name="previous",
+            num_layers=num_layers,
+            num_replicas=num_replicas,
+        )
+        phy2log = align_to_previous(phy2log, previous, num_gpus)
+        log2phy, _ = log2phy_from_phy2log(phy2log, num_experts)
+        return phy2log, log2phy, logcnt
 
     max_replicas = int(logcnt.max()) if logcnt.numel() else 1
     log2phy = torch.full((num_layers, num_experts, max_replicas), -1, dtype=torch.int64)
