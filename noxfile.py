@@ -118,8 +118,9 @@ def e2e(session: nox.Session) -> None:
     """The host target through real vLLM (LLM and the OpenAI server), tiny models."""
     _install_torch(session)
     _install_vllm(session)
-    session.install("pytest", *[f"-e{p}" for p in _local(*ALL)],
-                    *(f"{PACKAGES / name}[test]" for name in SIBLINGS))
+    # Editable, with the leaf packages' test extras (their vLLM-facing tests run here).
+    session.install("pytest", *(f"-e{PACKAGES / name}[test]" if name in SIBLINGS
+                                else f"-e{PACKAGES / name}" for name in ALL))
     session.run("pytest", str(ROOT / "tests" / "e2e"), "-v", "--durations=15",
                 *session.posargs)
     # The leaf packages' tests that need vLLM, each package from its own tests folder
