@@ -28,7 +28,7 @@ BASE_ENV = {
 }
 
 
-def _environment(env: dict | None) -> dict:
+def vllm_environment(env: dict | None) -> dict:
     # Without VLLM_ASCEND_TARGET (the default, auto) the plugin is installed but must
     # stay inactive on this machine, which has no NPU: that is the stock vLLM run.
     full_env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_TARGET"}
@@ -37,7 +37,7 @@ def _environment(env: dict | None) -> dict:
 
 def run_vllm(args: dict, env: dict | None = None, timeout: float = 600) -> dict:
     """Run run_llm.py in a fresh process; return its JSON result or fail with its log."""
-    full_env = _environment(env)
+    full_env = vllm_environment(env)
     proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), json.dumps(args)],
                           env=full_env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
@@ -51,7 +51,7 @@ def run_vllm(args: dict, env: dict | None = None, timeout: float = 600) -> dict:
 
 def start_failure(args: dict, env: dict, timeout: float = 300) -> str:
     """Run a configuration that must fail at start-up; return its combined output."""
-    full_env = _environment(env)
+    full_env = vllm_environment(env)
     proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), json.dumps(args)],
                           env=full_env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode != 0, f"expected a start-up failure, got:\n{proc.stdout[-2000:]}"

@@ -64,7 +64,9 @@ def test_no_vllm_in_the_package():
     code = (
         "import sys, ascend_eplb, ascend_eplb.metrics, ascend_eplb.policies.default,"
         " ascend_eplb.policies.flashlb, ascend_eplb.policies.swift, ascend_eplb.transfer,"
-        " ascend_eplb.expert_map, ascend_eplb.cli, ascend_eplb.synthetic, ascend_eplb.placement;"
+        " ascend_eplb.expert_map, ascend_eplb.cli, ascend_eplb.synthetic, ascend_eplb.placement,"
+        " ascend_eplb.recorder, ascend_eplb.exchange, ascend_eplb.runtime,"
+        " ascend_eplb.mix_placement;"
         "ascend_eplb.register();"
         "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))"
     )

@@ -3,12 +3,14 @@
 ``rebalance_experts`` computes a placement of physical experts onto GPUs from
 per-expert loads with a named policy from core's ``EPLB_POLICIES`` registry;
 ``register()`` fills that registry with this package's policies (``default``,
-``swift``, ``flashlb``). Imports no vLLM.
+``swift``, ``flashlb``) and, inside a process that runs vLLM, core's custom-op
+registry with the EPLB MoE layer (``ascend_eplb.vllm``). Imports no vLLM itself.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -26,12 +28,19 @@ def register() -> None:
     """Register this package's policies in ``ascend_core.registry.EPLB_POLICIES``.
 
     Idempotent: the registry accepts the same function under the same name again.
+    In a process where vLLM is already imported (vLLM calls the plugin's entry points),
+    it also registers the EPLB MoE layer in ``ascend_core.registry.CUSTOM_OPS``;
+    elsewhere it imports no vLLM.
     """
     from ascend_eplb.policies import default, flashlb, swift
 
     EPLB_POLICIES.register("default", default.rebalance_experts)
     EPLB_POLICIES.register("flashlb", flashlb.rebalance_experts)
     EPLB_POLICIES.register("swift", swift.rebalance_experts)
+    if "vllm" in sys.modules:
+        from ascend_eplb.vllm import register_layers
+
+        register_layers()
 
 
 def rebalance_experts(

@@ -12,6 +12,10 @@ expert the GPU already has), then a GPU of the same node, and spreading the read
 one expert over its old replicas. Copies read old weights, so whoever applies a plan
 must read every source before overwriting it (e.g. receive into a staging buffer);
 the order of the moves does not matter then.
+
+``plan_initial_transfers`` fills a first placement from the layout the weights were
+loaded in, which may have another number of slots per rank (e.g. redundant experts
+added); ``ascend_eplb.exchange`` applies plans between processes.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from ascend_eplb._threads import one_thread
 from ascend_eplb.placement import align_to_previous, check_phy2log, log2phy_from_phy2log
 from ascend_eplb.validation import positive_int
 
-__all__ = ["ExpertMove", "TransferPlan", "plan_transfers"]
+__all__ = ["ExpertMove", "TransferPlan", "plan_initial_transfers", "plan_transfers"]
 
 MOVE_COLUMNS = ("layer", "src_rank", "dst_rank", "src_slot", "dst_slot", "expert")
 
@@ -43,12 +47,28 @@ class ExpertMove(NamedTuple):
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """The copies that turn an old placement into ``phy2log``."""
+    """The copies that turn an old placement into ``phy2log``.
+
+    ``src_slot`` indexes the old placement's slots and ``dst_slot`` the new one's; the
+    two have the same number of slots per rank except for ``plan_initial_transfers``,
+    whose source layout is the one the weights were loaded in.
+    """
 
     phy2log: torch.Tensor  # [layers, num_replicas]: the new placement, slots aligned
     moves: torch.Tensor  # [num_moves, 6] int64, columns MOVE_COLUMNS, by layer then dst_slot
     expert_bytes: int
     num_gpus: int
+    source_slots_per_gpu: int | None = None  # None: as many as the new placement
+
+    @property
+    def slots_per_gpu(self) -> int:
+        return self.phy2log.size(1) // self.num_gpus
+
+    @property
+    def src_slots_per_gpu(self) -> int:
+        if self.source_slots_per_gpu is None:
+            return self.slots_per_gpu
+        return self.source_slots_per_gpu
 
     @property
     def num_moves(self) -> int:
@@ -101,10 +121,7 @@ def plan_transfers(
     """
     num_gpus = positive_int("num_gpus", num_gpus)
     num_nodes = positive_int("num_nodes", num_nodes)
-    if isinstance(expert_bytes, bool) or not isinstance(expert_bytes, int) or expert_bytes < 0:
-        raise ValueError(f"expert_bytes must be an integer >= 0, got {expert_bytes!r}")
-    if num_gpus % num_nodes:
-        raise ValueError(f"num_gpus ({num_gpus}) must be divisible by num_nodes ({num_nodes})")
+    _check_bytes_and_nodes(expert_bytes, num_gpus, num_nodes)
     old = torch.as_tensor(old_phy2log)
     new = torch.as_tensor(new_phy2log)
     if num_experts is None:
@@ -121,24 +138,78 @@ def plan_transfers(
         num_replicas=old.size(1),
     )
     aligned = align_to_previous(new, old, num_gpus)
-    moves = _moves(old, aligned, num_gpus, num_nodes, num_experts)
+    moves = _moves(old, aligned, aligned != old, num_gpus, num_nodes, num_experts)
     return TransferPlan(aligned, moves, expert_bytes, num_gpus)
 
 
+@one_thread
+def plan_initial_transfers(
+    source_phy2log: torch.Tensor | Any,
+    target_phy2log: torch.Tensor | Any,
+    num_gpus: int,
+    expert_bytes: int,
+    *,
+    num_nodes: int = 1,
+    num_experts: int | None = None,
+) -> TransferPlan:
+    """The copies that fill every slot of ``target_phy2log`` from weights laid out as
+    ``source_phy2log``, which may have another number of slots per rank.
+
+    This is how a serving process goes from the layout its weights were loaded in
+    (e.g. vLLM's: ``experts / ranks`` experts per rank, no replicas) to its first
+    placement (from ``expert_map_path``, with redundant experts): each target slot is
+    a fresh buffer, so every slot gets one copy, from the destination rank itself when
+    it loaded that expert, else from a rank of its node, else from anywhere. The
+    target is used as given (no slot reordering). ``plan.src_slots_per_gpu`` is the
+    source's slots per rank.
+    """
+    num_gpus = positive_int("num_gpus", num_gpus)
+    num_nodes = positive_int("num_nodes", num_nodes)
+    _check_bytes_and_nodes(expert_bytes, num_gpus, num_nodes)
+    source = torch.as_tensor(source_phy2log)
+    target = torch.as_tensor(target_phy2log)
+    if num_experts is None:
+        num_experts = 1 + max(
+            int(source.max()) if source.numel() else 0, int(target.max()) if target.numel() else 0
+        )
+    source = check_phy2log(source, num_experts, num_gpus, name="source_phy2log")
+    target = check_phy2log(
+        target, num_experts, num_gpus, name="target_phy2log", num_layers=source.size(0)
+    )
+    everything = torch.ones_like(target, dtype=torch.bool)
+    moves = _moves(source, target, everything, num_gpus, num_nodes, num_experts)
+    return TransferPlan(
+        target.clone(), moves, expert_bytes, num_gpus, source.size(1) // num_gpus
+    )
+
+
+def _check_bytes_and_nodes(expert_bytes: Any, num_gpus: int, num_nodes: int) -> None:
+    if isinstance(expert_bytes, bool) or not isinstance(expert_bytes, int) or expert_bytes < 0:
+        raise ValueError(f"expert_bytes must be an integer >= 0, got {expert_bytes!r}")
+    if num_gpus % num_nodes:
+        raise ValueError(f"num_gpus ({num_gpus}) must be divisible by num_nodes ({num_nodes})")
+
+
 def _moves(
-    old: torch.Tensor, new: torch.Tensor, num_gpus: int, num_nodes: int, num_experts: int
+    old: torch.Tensor,
+    new: torch.Tensor,
+    needs_copy: torch.Tensor,
+    num_gpus: int,
+    num_nodes: int,
+    num_experts: int,
 ) -> torch.Tensor:
-    num_layers, num_replicas = old.shape
-    slots_per_gpu = num_replicas // num_gpus
+    """One move per ``needs_copy`` slot of ``new``, reading from a slot of ``old``."""
+    old_slots_per_gpu = old.size(1) // num_gpus
+    slots_per_gpu = new.size(1) // num_gpus
     gpus_per_node = num_gpus // num_nodes
-    layer, dst_slot = (new != old).nonzero(as_tuple=True)  # ordered by layer, then slot
+    layer, dst_slot = needs_copy.nonzero(as_tuple=True)  # ordered by layer, then slot
     if layer.numel() == 0:
         return torch.zeros(0, len(MOVE_COLUMNS), dtype=torch.int64)
     expert = new[layer, dst_slot]
     dst_rank = dst_slot // slots_per_gpu
     holders = log2phy_from_phy2log(old, num_experts)[0][layer, expert]  # [moves, max_rep]
     valid = holders >= 0
-    holder_rank = holders.clamp(min=0) // slots_per_gpu
+    holder_rank = holders.clamp(min=0) // old_slots_per_gpu
     same_rank = holder_rank == dst_rank.unsqueeze(-1)
     same_node = holder_rank // gpus_per_node == (dst_rank // gpus_per_node).unsqueeze(-1)
     # 0: the destination itself, 1: its node, 2: elsewhere; invalid padding last.
@@ -154,7 +225,7 @@ def _moves(
     position = (candidates.to(torch.int64).cumsum(-1) - 1).masked_fill(~candidates, -1)
     column = (position == pick.unsqueeze(-1)).to(torch.int8).argmax(-1, keepdim=True)
     src_slot = holders.gather(-1, column).squeeze(-1)
-    src_rank = src_slot // slots_per_gpu
+    src_rank = src_slot // old_slots_per_gpu
     return torch.stack([layer, src_rank, dst_rank, src_slot, dst_slot, expert], dim=-1)
 
 
