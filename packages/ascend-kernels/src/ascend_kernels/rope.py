@@ -318,9 +318,10 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                                                 head_size, is_neox_style, inplace, ub_size_kb)
     if not inplace:
         return q_out, k_out
-    if q_out.data_ptr() != query.data_ptr():
+    # Identity, not data pointers: torch.compile (vLLM's default) cannot trace the latter.
+    if q_out is not query:
         query.copy_(q_out)
-    if key is not None and k_out.data_ptr() != key.data_ptr():
+    if key is not None and k_out is not key:
         key.copy_(k_out)
     return query, key
 
