@@ -68,6 +68,21 @@ def test_decorator_and_unregister():
 def test_core_defines_the_registries_leaf_packages_fill():
     kinds = {r.kind for r in (registry.SPECULATIVE_PROPOSERS, registry.QUANT_SCHEMES,
                               registry.QUANT_CONFIGS, registry.EPLB_POLICIES,
-                              registry.CUSTOM_OPS)}
+                              registry.CUSTOM_OPS, registry.CONFIG_HOOKS)}
     assert kinds == {"speculative method", "quantization scheme", "quantization config",
-                     "EPLB policy", "custom op"}
+                     "EPLB policy", "custom op", "vLLM config hook"}
+
+
+def test_platforms_run_the_config_hooks_in_name_order():
+    from ascend_core.platform.common import AscendPlatformMixin
+
+    calls = []
+    first, second = (lambda cfg: calls.append(("a", cfg))), (lambda cfg: calls.append(("b", cfg)))
+    registry.CONFIG_HOOKS.register("b-hook", second)
+    registry.CONFIG_HOOKS.register("a-hook", first)
+    try:
+        AscendPlatformMixin.run_config_hooks("config")
+    finally:
+        registry.CONFIG_HOOKS.unregister("a-hook")
+        registry.CONFIG_HOOKS.unregister("b-hook")
+    assert calls == [("a", "config"), ("b", "config")]

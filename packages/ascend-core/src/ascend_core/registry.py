@@ -97,5 +97,9 @@ QUANT_CONFIGS: Registry[Any] = Registry("quantization config")
 # EPLB: policy name -> callable(weight, num_replicas, num_groups, num_nodes, num_gpus).
 EPLB_POLICIES: Registry[Callable[..., Any]] = Registry("EPLB policy")
 
+# Config hooks: name -> callable(vllm_config), run by both platforms at the start of
+# check_and_update_config (e.g. ascend-quant selecting its method for an msModelSlim folder).
+CONFIG_HOOKS: Registry[Callable[[Any], Any]] = Registry("vLLM config hook")
+
 # Custom ops: vLLM CustomOp name (e.g. "RMSNorm") -> replacement class.
 CUSTOM_OPS: Registry[type] = Registry("custom op")

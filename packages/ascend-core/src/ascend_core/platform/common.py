@@ -6,6 +6,7 @@ import logging
 import os
 
 from ascend_core import envs
+from ascend_core.registry import CONFIG_HOOKS
 from ascend_core.suggest import did_you_mean
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,12 @@ class AscendPlatformMixin:
             if hard_fail:
                 raise ValueError(message)
             logger.warning(message)
+
+    @classmethod
+    def run_config_hooks(cls, vllm_config) -> None:
+        """The leaf packages' hooks (core's CONFIG_HOOKS), in name order."""
+        for name in CONFIG_HOOKS:
+            CONFIG_HOOKS.get(name)(vllm_config)
 
     @classmethod
     def log_activation(cls, vllm_version: str) -> None:

@@ -28,6 +28,7 @@ class AscendHostPlatform(AscendPlatformMixin, CpuPlatform):
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         cls.log_activation(vllm.__version__)
+        cls.run_config_hooks(vllm_config)
         init_ascend_config(vllm_config.additional_config, target="host")
         envs.warn_removed()
         parallel_config = vllm_config.parallel_config

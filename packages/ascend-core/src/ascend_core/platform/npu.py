@@ -152,6 +152,7 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         import vllm
 
         cls.log_activation(vllm.__version__)
+        cls.run_config_hooks(vllm_config)
         init_ascend_config(vllm_config.additional_config, target="npu")
         envs.warn_removed()
 

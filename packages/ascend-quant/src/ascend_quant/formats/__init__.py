@@ -1,0 +1,1 @@
+"""Checkpoint formats: compressed-tensors configs and msModelSlim descriptions (no vLLM)."""
