@@ -28,6 +28,26 @@ def probe_worker(worker) -> dict:
     }
 
 
+def spec_decode_metrics(llm) -> dict:
+    """vLLM's own speculative-decoding counters (summed over engines), when stats are on.
+
+    Needs ``"disable_log_stats": False`` in ``llm``; e.g. ``vllm:spec_decode_num_drafts``,
+    ``vllm:spec_decode_num_accepted_tokens``, ``vllm:spec_decode_num_accepted_tokens_per_pos``.
+    """
+    if not getattr(llm.llm_engine, "log_stats", False):
+        return {}
+    counters: dict = {}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith("vllm:spec_decode"):
+            continue
+        if hasattr(metric, "values"):  # the per-position vector
+            old = counters.get(metric.name, [0] * len(metric.values))
+            counters[metric.name] = [a + b for a, b in zip(old, metric.values)]
+        elif hasattr(metric, "value"):
+            counters[metric.name] = counters.get(metric.name, 0) + metric.value
+    return counters
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -46,6 +66,9 @@ def main() -> None:
         "texts": [out.outputs[0].text for out in outputs],
         "workers": llm.collective_rpc(probe_worker),
     }
+    metrics = spec_decode_metrics(llm)
+    if metrics:
+        result["metrics"] = metrics
     print("RESULT " + json.dumps(result), flush=True)
 
 

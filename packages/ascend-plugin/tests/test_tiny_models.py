@@ -10,9 +10,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
-
 from ascend_plugin import tiny_models
 
 # Smaller than the defaults, still a head_dim vLLM's CPU attention accepts.

@@ -6,8 +6,12 @@ __all__ = ["__version__", "register"]
 
 
 def register() -> None:
-    """Register this package's implementations in ascend-core's registries.
+    """Register this package's proposers in ascend-core's speculative registry.
 
-    Idempotent. Nothing is registered yet: vLLM's own implementations serve
-    until this package provides its own (docs/FEATURES.md tracks which).
+    Idempotent (the same factory object each time). Imports no vLLM: a factory imports its
+    vLLM-facing proposer class when a model runner calls it.
     """
+    from ascend_core.registry import SPECULATIVE_PROPOSERS
+    from ascend_specdec.medusa import medusa_proposer_factory
+
+    SPECULATIVE_PROPOSERS.register("medusa", medusa_proposer_factory)

@@ -1,0 +1,93 @@
+"""A transformers causal LM behind the small ``BaseLM`` interface the trainer uses.
+
+transformers is imported when a model is loaded, not with this module (it is the ``train``
+extra of ascend-specdec, not a dependency).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+class TransformersBaseLM:
+    """Greedy continuation with a KV cache, returning the last hidden state of every step."""
+
+    def __init__(self, model, sample_ids: torch.Tensor, bos_token_id: int | None) -> None:
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.output = model.get_output_embeddings()
+        self.hidden_size = int(model.config.hidden_size)
+        self.vocab_size = int(self.output.weight.shape[0])
+        self.sample_ids = sample_ids
+        self.bos_token_id = bos_token_id
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+             ) -> TransformersBaseLM:
+        try:
+            import transformers
+        except ImportError as err:
+            raise ImportError("training Medusa heads loads the base model with transformers: "
+                              "pip install 'ascend-specdec[train]'") from err
+        folder = Path(model_dir)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"--base {str(folder)!r} is not a model folder "
+                                    "(no config.json)")
+        if not any(folder.glob("*.safetensors")):
+            raise FileNotFoundError(f"--base {str(folder)!r} has no *.safetensors weights; "
+                                    "only safetensors checkpoints are loaded")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=dtype, use_safetensors=True)
+        model.eval()
+        sample_ids, bos = _prompt_vocabulary(folder, model.config)
+        return cls(model, sample_ids, bos)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.output.weight.detach()
+
+    @torch.no_grad()
+    def greedy_with_hidden(self, prompts: torch.Tensor, num_new_tokens: int,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.decoder(input_ids=prompts, use_cache=True)
+        cache = out.past_key_values
+        hidden = [out.last_hidden_state]
+        tokens = [prompts]
+        for step in range(num_new_tokens):
+            last = hidden[-1][:, -1]
+            next_token = self.output(last).argmax(dim=-1, keepdim=True)
+            tokens.append(next_token)
+            if step == num_new_tokens - 1:
+                break  # the newest token's hidden state would predict past the end
+            out = self.decoder(input_ids=next_token, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            hidden.append(out.last_hidden_state)
+        return torch.cat(tokens, dim=1), torch.cat(hidden, dim=1).float()
+
+
+def _prompt_vocabulary(folder: Path, config) -> tuple[torch.Tensor, int | None]:
+    """Token ids to draw random prompts from (no special tokens), and the BOS id to prepend."""
+    special: set[int] = set()
+    size = int(config.vocab_size)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        value = getattr(config, name, None)
+        special.update(value if isinstance(value, list) else [value] if value is not None else [])
+    bos = getattr(config, "bos_token_id", None)
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError, json.JSONDecodeError):
+            tokenizer = None
+        if tokenizer is not None:
+            special.update(tokenizer.all_special_ids)
+            size = min(size, len(tokenizer))  # rows past the tokenizer are padding
+            # Prompts look like what the tokenizer gives vLLM: with a BOS only if it adds one.
+            encoded = tokenizer("a").input_ids
+            bos = tokenizer.bos_token_id if encoded and encoded[0] == tokenizer.bos_token_id \
+                else None
+    ids = torch.tensor([i for i in range(size) if i not in special], dtype=torch.long)
+    return ids, bos if isinstance(bos, int) else None

@@ -1,0 +1,130 @@
+"""Medusa heads: residual blocks over the base model's last hidden state, then an LM head.
+
+Head ``i`` (0-based) reads the hidden state ``h_t`` of the last accepted token ``x_t`` and
+predicts ``x_{t+2+i}``: the base model's own LM head already gives ``x_{t+1}``, so head 0 drafts
+the token one place after it. Parameter names are the ones vLLM's ``Medusa`` model loads
+(``blocks.{head}.layers.{layer}.weight|bias``, ``lm_heads.{head}.weight`` or ``lm_head.weight``
+when one LM head is shared, and ``token_map``), so a ``state_dict`` is a checkpoint vLLM reads.
+
+Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ascend_specdec.medusa.config import MedusaConfigError, MedusaHeadsConfig
+
+
+class ResidualBlock(nn.Module):
+    """``x <- x + SiLU(W x + b)``, ``num_layers`` times."""
+
+    def __init__(self, hidden_size: int, num_layers: int, bias: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias)
+                                    for _ in range(num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+    def zero_init(self) -> None:
+        """Make the block the identity, so a fresh head starts as its LM head alone."""
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            if layer.bias is not None:
+                nn.init.zeros_(layer.bias)
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: MedusaHeadsConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(
+            ResidualBlock(config.hidden_size, config.num_hidden_layers, config.medusa_fc_bias)
+            for _ in range(config.num_heads)
+        )
+        rows = config.draft_vocab_size
+        if config.original_lm_head:
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
+        else:
+            self.lm_heads = nn.ModuleList(nn.Linear(config.hidden_size, rows, bias=False)
+                                          for _ in range(config.num_heads))
+        # token_map[j] = the base-vocabulary id of draft-vocabulary row j (identity if None).
+        token_map = (torch.arange(rows, dtype=torch.long) if config.is_truncated else None)
+        self.register_buffer("token_map", token_map)
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def head_weight(self, head: int) -> torch.Tensor:
+        """The LM-head weight [draft_vocab, hidden] that head ``head`` uses."""
+        return self.lm_head.weight if self.config.original_lm_head else self.lm_heads[head].weight
+
+    def hidden(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """[tokens, hidden] -> [tokens, heads, hidden]: each head's residual blocks."""
+        k = self._heads_to_run(num_heads)
+        return torch.stack([self.blocks[i](hidden_states) for i in range(k)], dim=1)
+
+    def logits(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """[tokens, hidden] -> [tokens, heads, draft_vocab] (scaled by logit_scale)."""
+        per_head = self.hidden(hidden_states, num_heads)
+        if self.config.original_lm_head:
+            # One shared LM head: a single matmul over every head's rows reads its weight once.
+            logits = per_head @ self.lm_head.weight.t()
+        else:
+            logits = torch.stack([self.lm_heads[i](per_head[:, i])
+                                  for i in range(per_head.shape[1])], dim=1)
+        if self.config.logit_scale != 1.0:
+            logits = logits * self.config.logit_scale
+        return logits
+
+    def draft_vocab_to_base(self, indices: torch.Tensor) -> torch.Tensor:
+        return indices if self.token_map is None else self.token_map[indices]
+
+    def propose(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Top-1 chain: [requests, hidden] -> base-vocabulary token ids [requests, heads]."""
+        return self.draft_vocab_to_base(self.logits(hidden_states, num_heads).argmax(dim=-1))
+
+    def forward(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        return self.propose(hidden_states, num_heads)
+
+    def zero_init_blocks(self) -> None:
+        for block in self.blocks:
+            block.zero_init()
+
+    def _heads_to_run(self, num_heads: int | None) -> int:
+        if num_heads is None:
+            return self.num_heads
+        if not 1 <= num_heads <= self.num_heads:
+            raise MedusaConfigError(
+                f"asked for {num_heads} draft tokens from {self.num_heads} Medusa heads; "
+                f"at most {self.num_heads}"
+            )
+        return num_heads
+
+
+def last_accepted_rows(num_draft_tokens: list[int], num_sampled_tokens: list[int]) -> list[int]:
+    """Row of each request's last accepted token in the verified step's hidden states.
+
+    The target model scores ``num_draft_tokens[r] + 1`` rows per request (its drafts and the
+    bonus position) and ``num_sampled_tokens[r]`` of them were kept (accepted drafts plus the
+    next token); the hidden state that predicts past the kept ones is the last kept row. A
+    request that had no drafts this step has one row, which is then its row.
+    """
+    if len(num_draft_tokens) != len(num_sampled_tokens):
+        raise ValueError(f"{len(num_draft_tokens)} draft counts but {len(num_sampled_tokens)} "
+                         "sampled counts: one of each per request")
+    rows, offset = [], 0
+    for drafts, sampled in zip(num_draft_tokens, num_sampled_tokens, strict=True):
+        if not 0 <= sampled <= drafts + 1:
+            raise ValueError(f"{sampled} sampled tokens for {drafts} drafts: at most drafts + 1")
+        # A request with nothing sampled (a partial prefill) still gets a row, its last one;
+        # its drafts are discarded.
+        rows.append(offset + max(sampled, 1) - 1)
+        offset += drafts + 1
+    return rows

@@ -1,0 +1,143 @@
+"""Train Medusa heads for a base model folder and write a heads folder vLLM loads.
+
+``train_medusa_heads`` is the whole job behind ``python -m ascend_specdec.train_medusa``;
+``ensure_medusa_heads`` caches its result by the base model's contents and the options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ascend_specdec.medusa.checkpoint import save_heads
+from ascend_specdec.medusa.training import (
+    TrainOptions,
+    TrainResult,
+    generate_distillation_data,
+    train_heads,
+)
+
+# Bump when a change here alters what training writes, so cached heads are not reused.
+TRAIN_VERSION = 1
+REPORT_FILE = "training.json"
+CACHE_ENV_VAR = "ASCEND_PLUGIN_MODEL_CACHE"  # the tiny models' cache: heads sit beside them
+DEFAULT_CACHE_ROOT = Path("~/.cache/ascend-plugin/models")
+
+
+def _stderr(message: str) -> None:
+    print(f"[train_medusa] {message}", file=sys.stderr, flush=True)
+
+
+def _checkpoint_dtype(base_dir: Path) -> torch.dtype:
+    config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def train_medusa_heads(base_dir: str | Path, out_dir: str | Path,
+                       options: TrainOptions | None = None, *, log=_stderr,
+                       save_dtype: torch.dtype | None = None) -> TrainResult:
+    """Self-distil heads from ``base_dir`` (safetensors) and write them into ``out_dir``.
+
+    The heads are saved in the base checkpoint's dtype unless ``save_dtype`` says otherwise.
+    """
+    from ascend_specdec.medusa.base_model import TransformersBaseLM
+
+    options = options or TrainOptions()
+    base_dir = Path(base_dir)
+    started = time.monotonic()
+    base = TransformersBaseLM.load(base_dir)
+    log(f"base model {base_dir}: hidden size {base.hidden_size}, vocabulary {base.vocab_size}; "
+        f"{options.samples} greedy continuations of {options.continuation_tokens} tokens, "
+        f"{options.heads} heads, {options.steps} steps")
+    train, held_out = generate_distillation_data(base, options, base.sample_ids,
+                                                 base.bos_token_id, log=log)
+    generated = time.monotonic() - started
+    log(f"{len(train)} training rows, {len(held_out)} held-out rows ({generated:.1f} s)")
+    result = train_heads(train, held_out, base.lm_head_weight(), options, log=log)
+    result.seconds["generate"] = generated
+    dtype = save_dtype or _checkpoint_dtype(base_dir)
+    save_heads(result.heads, out_dir, dtype=dtype)
+    report = {
+        "base_model": str(base_dir),
+        "options": asdict(options),
+        "rows": {"train": len(train), "held_out": len(held_out)},
+        "initial": asdict(result.initial) if result.initial else None,
+        "final": asdict(result.final) if result.final else None,
+        "history": result.history,
+        "seconds": result.seconds,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    (Path(out_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n",
+                                             encoding="utf-8")
+    log(f"wrote {out_dir} ({time.monotonic() - started:.1f} s in all)")
+    return result
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV_VAR) or DEFAULT_CACHE_ROOT).expanduser()
+
+
+def heads_key(base_dir: str | Path, options: TrainOptions,
+              save_dtype: torch.dtype | None = None) -> str:
+    """``medusa-<hash>`` of the base model's files, the options and this trainer's version."""
+    digest = hashlib.sha256()
+    base = Path(base_dir)
+    for path in sorted(base.glob("*.json")) + sorted(base.glob("*.safetensors")):
+        if path.name.startswith("tiny_model_build"):
+            continue
+        digest.update(path.name.encode())
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 24), b""):
+                digest.update(block)
+    identity: dict[str, Any] = {
+        "options": asdict(options),
+        "train_version": TRAIN_VERSION,
+        "save_dtype": str(save_dtype),
+        "torch": torch.__version__.split("+")[0],
+    }
+    digest.update(json.dumps(identity, sort_keys=True).encode())
+    return f"medusa-{digest.hexdigest()[:12]}"
+
+
+def ensure_medusa_heads(base_dir: str | Path, options: TrainOptions | None = None, *,
+                        cache_dir: str | Path | None = None, log=_stderr,
+                        save_dtype: torch.dtype | None = None) -> Path:
+    """The folder of heads trained for ``base_dir`` with ``options``, training them once.
+
+    Cached under ``cache_dir`` (default: ``$ASCEND_PLUGIN_MODEL_CACHE`` or
+    ``~/.cache/ascend-plugin/models``) by a hash of the base model's files and the options;
+    written to a temporary folder and renamed into place, so a half-written folder is never
+    taken for a finished one.
+    """
+    options = options or TrainOptions()
+    root = Path(cache_dir).expanduser() if cache_dir else cache_root()
+    final = root / heads_key(base_dir, options, save_dtype)
+    if (final / REPORT_FILE).is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=root))
+    try:
+        train_medusa_heads(base_dir, staging, options, log=log, save_dtype=save_dtype)
+        if final.exists() and not (final / REPORT_FILE).is_file():
+            shutil.rmtree(final)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not (final / REPORT_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log(f"heads ready in {final}")
+    return final

@@ -1,0 +1,356 @@
+"""Self-distillation of Medusa heads from a base model's own greedy continuations.
+
+The base model continues random token prefixes greedily; at every continuation position ``t``
+its hidden state ``h_t`` becomes a training row whose target for head ``i`` is the token the
+base model itself produced ``i + 2`` places later (``x_{t+2+i}``). Because the targets are the
+base model's greedy choices, a head's top-1 accuracy on held-out rows is the rate at which the
+base model accepts that head's draft, and the mean number of leading correct heads is the
+acceptance length greedy verification would see. No dataset is needed.
+
+The base model is anything with the small interface of ``BaseLM`` (the transformers adapter in
+``ascend_specdec.medusa.base_model`` is one); this module imports neither vLLM nor transformers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch.nn import functional as F
+
+from ascend_specdec.medusa.config import MedusaHeadsConfig
+from ascend_specdec.medusa.heads import MedusaHeads
+
+IGNORE = -100
+
+
+class BaseLM(Protocol):
+    hidden_size: int
+    vocab_size: int
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden] LM-head weight (applied to the last hidden state)."""
+
+    def greedy_with_hidden(self, prompts: torch.Tensor, num_new_tokens: int,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """prompts [B, P] -> (tokens [B, P + n], last-layer hidden states [B, P + n - 1, H]).
+
+        Greedy continuation, EOS ignored; hidden state ``t`` is the one that predicted token
+        ``t + 1`` (after the final norm, what the LM head reads).
+        """
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    heads: int = 3
+    steps: int = 1500
+    samples: int = 1500           # greedy continuations generated from the base model
+    continuation_tokens: int = 64
+    min_prompt_tokens: int = 4
+    max_prompt_tokens: int = 24
+    layers: int = 1               # residual blocks per head
+    batch_size: int = 256
+    lr: float = 1e-2
+    weight_decay: float = 0.0
+    share_lm_head: bool = False   # one LM head for all heads (vLLM's original_lm_head)
+    freeze_lm_head: bool = False  # keep the LM head(s) equal to the base model's
+    truncated_vocab: int | None = None  # keep only the most frequent draft tokens
+    holdout: float = 0.1          # share of continuations kept for evaluation
+    eval_every: int = 150
+    generation_batch: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = ("heads", "steps", "samples", "layers", "batch_size", "generation_batch",
+                    "eval_every", "min_prompt_tokens")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
+                                 f"got {getattr(self, name)}")
+        if self.continuation_tokens < self.heads + 2:
+            raise ValueError(
+                f"continuation_tokens={self.continuation_tokens} leaves no target for head "
+                f"{self.heads}: it needs at least heads + 2 = {self.heads + 2}"
+            )
+        if self.max_prompt_tokens < self.min_prompt_tokens:
+            raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} < "
+                             f"min_prompt_tokens={self.min_prompt_tokens}")
+        if not 0.0 < self.holdout < 1.0:
+            raise ValueError(f"holdout={self.holdout} must be between 0 and 1")
+        if self.truncated_vocab is not None and self.truncated_vocab < 1:
+            raise ValueError(f"truncated_vocab={self.truncated_vocab} must be at least 1")
+
+
+@dataclass
+class DistillationSet:
+    """Training rows: hidden states [N, H] and per-head targets [N, K] (IGNORE where none)."""
+
+    features: torch.Tensor
+    targets: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.features.shape[0]
+
+
+@dataclass
+class Evaluation:
+    top1: list[float]             # per head, over rows that have that head's target
+    acceptance_length: float      # 1 + mean number of leading correct heads
+    loss: float
+
+    def describe(self) -> str:
+        heads = " ".join(f"h{i + 1} {acc:.3f}" for i, acc in enumerate(self.top1))
+        return (f"held-out top-1 {heads} | acceptance length {self.acceptance_length:.2f} | "
+                f"held-out loss {self.loss:.3f}")
+
+
+@dataclass
+class TrainResult:
+    heads: MedusaHeads
+    history: list[dict] = field(default_factory=list)
+    initial: Evaluation | None = None
+    final: Evaluation | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def random_prompts(count: int, options: TrainOptions, sample_ids: torch.Tensor,
+                   bos_token_id: int | None, generator: torch.Generator,
+                   ) -> list[torch.Tensor]:
+    """``count`` prompts as batches [b, P] of equal length (one length per batch)."""
+    batches = []
+    remaining = count
+    while remaining:
+        size = min(options.generation_batch, remaining)
+        length = int(torch.randint(options.min_prompt_tokens, options.max_prompt_tokens + 1,
+                                   (1,), generator=generator))
+        picks = torch.randint(0, sample_ids.numel(), (size, length), generator=generator)
+        prompts = sample_ids[picks]
+        if bos_token_id is not None:
+            bos = torch.full((size, 1), bos_token_id, dtype=prompts.dtype)
+            prompts = torch.cat([bos, prompts], dim=1)
+        batches.append(prompts)
+        remaining -= size
+    return batches
+
+
+def distillation_rows(tokens: torch.Tensor, hidden: torch.Tensor, prompt_len: int,
+                      num_heads: int) -> DistillationSet:
+    """Rows from continuation positions: h_t -> (x_{t+2}, ..., x_{t+1+K}).
+
+    ``tokens`` [B, T], ``hidden`` [B, T-1, H] (hidden t predicted token t+1). Rows start at the
+    last prompt position, the first one whose next token the base model chose itself.
+    """
+    batch, total = tokens.shape
+    first, last = prompt_len - 1, total - 3  # the last row still has x_{t+2}
+    if last < first:
+        raise ValueError(f"{total - prompt_len} continuation tokens give no training rows")
+    positions = torch.arange(first, last + 1)
+    features = hidden[:, positions]  # [B, R, H]
+    offsets = positions[:, None] + 2 + torch.arange(num_heads)[None, :]  # [R, K]
+    valid = offsets < total
+    targets = tokens[:, offsets.clamp(max=total - 1)]  # [B, R, K]
+    targets = targets.masked_fill(~valid, IGNORE)
+    return DistillationSet(features.reshape(-1, hidden.shape[-1]).float(),
+                           targets.reshape(-1, num_heads).long())
+
+
+def concat(sets: list[DistillationSet]) -> DistillationSet:
+    return DistillationSet(torch.cat([s.features for s in sets]),
+                           torch.cat([s.targets for s in sets]))
+
+
+def generate_distillation_data(base: BaseLM, options: TrainOptions, sample_ids: torch.Tensor,
+                               bos_token_id: int | None,
+                               log: Callable[[str], None] = print,
+                               ) -> tuple[DistillationSet, DistillationSet]:
+    """(train, held-out) rows from ``options.samples`` greedy continuations."""
+    generator = torch.Generator().manual_seed(options.seed)
+    batches = random_prompts(options.samples, options, sample_ids, bos_token_id, generator)
+    train_sets, held_sets = [], []
+    num_held = max(1, round(options.samples * options.holdout))
+    done = 0
+    started = time.monotonic()
+    for prompts in batches:
+        with torch.no_grad():
+            tokens, hidden = base.greedy_with_hidden(prompts, options.continuation_tokens)
+        rows = distillation_rows(tokens, hidden, prompts.shape[1], options.heads)
+        rows_per_seq = len(rows) // prompts.shape[0]  # rows are sequence-major
+        # The first num_held continuations are held out whole: evaluation uses unseen prompts.
+        held = min(max(num_held - done, 0), prompts.shape[0])
+        if held:
+            split = held * rows_per_seq
+            held_sets.append(DistillationSet(rows.features[:split], rows.targets[:split]))
+            rows = DistillationSet(rows.features[split:], rows.targets[split:])
+        if len(rows):
+            train_sets.append(rows)
+        done += prompts.shape[0]
+        log(f"generating greedy continuations: {done}/{options.samples} "
+            f"({time.monotonic() - started:.1f} s)")
+    if not train_sets:
+        raise ValueError(f"samples={options.samples} with holdout={options.holdout} leaves no "
+                         "continuation for training; raise --samples")
+    return concat(train_sets), concat(held_sets)
+
+
+# ---------------------------------------------------------------------------------- model
+
+
+def token_frequencies(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    kept = targets[targets != IGNORE]
+    return torch.bincount(kept, minlength=vocab_size)[:vocab_size]
+
+
+def choose_token_map(targets: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` most frequent target tokens (ties by id), sorted by id."""
+    if size > vocab_size:
+        raise ValueError(f"truncated vocabulary of {size} is larger than the vocabulary "
+                         f"({vocab_size})")
+    counts = token_frequencies(targets, vocab_size).double()
+    # Stable order: frequency first, then the lower id.
+    order = torch.argsort(counts - torch.arange(vocab_size).double() / (2 * vocab_size),
+                          descending=True)
+    return order[:size].sort().values
+
+
+def to_draft_vocab(targets: torch.Tensor, token_map: torch.Tensor | None,
+                   vocab_size: int) -> torch.Tensor:
+    """Base-vocabulary targets -> draft-vocabulary rows (IGNORE if not in the map)."""
+    if token_map is None:
+        return targets
+    lookup = torch.full((vocab_size,), IGNORE, dtype=torch.long)
+    lookup[token_map] = torch.arange(token_map.numel())
+    return torch.where(targets == IGNORE, targets, lookup[targets.clamp(min=0)])
+
+
+def init_heads(base_lm_head: torch.Tensor, options: TrainOptions,
+               token_map: torch.Tensor | None) -> MedusaHeads:
+    vocab_size, hidden_size = base_lm_head.shape
+    config = MedusaHeadsConfig(
+        hidden_size=hidden_size, vocab_size=vocab_size, num_heads=options.heads,
+        num_hidden_layers=options.layers,
+        truncated_vocab_size=None if token_map is None else token_map.numel(),
+        original_lm_head=options.share_lm_head, medusa_fc_bias=True,
+    )
+    heads = MedusaHeads(config)
+    heads.zero_init_blocks()
+    rows = base_lm_head.float() if token_map is None else base_lm_head.float()[token_map]
+    with torch.no_grad():
+        for i in range(1 if options.share_lm_head else options.heads):
+            heads.head_weight(i).copy_(rows)
+    if token_map is not None:
+        heads.token_map = token_map.clone()
+    return heads
+
+
+def head_losses(heads: MedusaHeads, features: torch.Tensor, targets: torch.Tensor,
+                ) -> torch.Tensor:
+    """Cross-entropy per head [K] over the rows that have a target for it."""
+    logits = heads.logits(features)  # [N, K, V']
+    # Flattened rows: cross_entropy over a [N, V', K] view is several times slower on CPU.
+    per_row = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                              ignore_index=IGNORE, reduction="none").view_as(targets)  # [N, K]
+    counts = (targets != IGNORE).sum(dim=0).clamp(min=1)
+    return per_row.sum(dim=0) / counts
+
+
+@torch.no_grad()
+def evaluate(heads: MedusaHeads, data: DistillationSet, chunk: int = 4096) -> Evaluation:
+    """Top-1 accuracy per head and the greedy acceptance length, in base-vocabulary terms."""
+    k = heads.num_heads
+    correct = torch.zeros(k)
+    present = torch.zeros(k)
+    accepted_sum = 0.0
+    complete_rows = 0
+    loss_sum = torch.zeros(k)
+    vocab = heads.config.vocab_size
+    for start in range(0, len(data), chunk):
+        features = data.features[start:start + chunk]
+        targets = data.targets[start:start + chunk]
+        drafts = heads.propose(features)  # [n, K] base ids
+        has = targets != IGNORE
+        hits = (drafts == targets) & has
+        correct += hits.sum(dim=0)
+        present += has.sum(dim=0)
+        complete = has.all(dim=1)
+        # Leading run of hits: accepted draft tokens under greedy verification.
+        leading = hits.long().cumprod(dim=1).sum(dim=1)
+        accepted_sum += float(leading[complete].sum())
+        complete_rows += int(complete.sum())
+        draft_targets = to_draft_vocab(targets, heads.token_map, vocab)
+        loss_sum += head_losses(heads, features, draft_targets) * has.sum(dim=0)
+    top1 = (correct / present.clamp(min=1)).tolist()
+    loss = float((loss_sum / present.clamp(min=1)).mean())
+    length = 1.0 + accepted_sum / max(complete_rows, 1)
+    return Evaluation(top1=top1, acceptance_length=length, loss=loss)
+
+
+def train_heads(train: DistillationSet, held_out: DistillationSet, base_lm_head: torch.Tensor,
+                options: TrainOptions, log: Callable[[str], None] = print) -> TrainResult:
+    """Fit one residual block per head (and its LM head unless frozen) to the targets."""
+    torch.manual_seed(options.seed)
+    vocab_size = base_lm_head.shape[0]
+    token_map = None
+    if options.truncated_vocab is not None and options.truncated_vocab < vocab_size:
+        token_map = choose_token_map(train.targets, vocab_size, options.truncated_vocab)
+    heads = init_heads(base_lm_head, options, token_map)
+    targets = to_draft_vocab(train.targets, token_map, vocab_size)
+
+    lm_params = [p for n, p in heads.named_parameters() if "lm_head" in n]
+    block_params = [p for n, p in heads.named_parameters() if "lm_head" not in n]
+    groups = [{"params": block_params}]
+    if options.freeze_lm_head:
+        for p in lm_params:
+            p.requires_grad_(False)
+    else:
+        # The LM head starts at the base model's: move it more gently than the fresh blocks.
+        groups.append({"params": lm_params, "lr": options.lr * 0.3})
+    optimizer = torch.optim.AdamW(groups, lr=options.lr, weight_decay=options.weight_decay)
+    warmup = max(1, options.steps // 20)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, options.steps - warmup)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    result = TrainResult(heads=heads)
+    result.initial = evaluate(heads, held_out)
+    log(f"step 0/{options.steps}: {result.initial.describe()}")
+    generator = torch.Generator().manual_seed(options.seed + 1)
+    started = time.monotonic()
+    running = None
+    heads.train()
+    for step in range(1, options.steps + 1):
+        batch = torch.randint(0, len(train), (options.batch_size,), generator=generator)
+        losses = head_losses(heads, train.features[batch], targets[batch])
+        loss = losses.mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        value = loss.item()
+        running = value if running is None else 0.9 * running + 0.1 * value
+        if step % options.eval_every == 0 or step == options.steps:
+            heads.eval()
+            evaluation = evaluate(heads, held_out)
+            heads.train()
+            result.history.append({"step": step, "train_loss": running,
+                                   "held_out_top1": evaluation.top1,
+                                   "acceptance_length": evaluation.acceptance_length,
+                                   "held_out_loss": evaluation.loss})
+            log(f"step {step}/{options.steps}: train loss {running:.3f} | "
+                f"{evaluation.describe()} ({time.monotonic() - started:.1f} s)")
+            result.final = evaluation
+    heads.eval()
+    for p in heads.parameters():
+        p.requires_grad_(False)
+    result.seconds["train"] = time.monotonic() - started
+    return result

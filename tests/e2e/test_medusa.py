@@ -1,0 +1,127 @@
+"""Medusa on the host target: heads trained at test time, our proposer inside real vLLM.
+
+The demo Llama (random weights, initializer_range 0.2) is chaotic: even knowing the next token,
+the one after it is unpredictable (a bigram oracle is right 0.3% of the time), so no draft head
+can learn it. The Medusa base here is the same tiny Llama with initializer_range 0.005, where the
+token embedding dominates the residual stream: its greedy continuations follow a prompt-dependent
+walk that heads can learn several steps ahead, which is what acceptance needs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_runs import PROMPTS, run_vllm, start_failure
+
+HOST = {"VLLM_ASCEND_TARGET": "host"}
+MEDUSA_BASE = {"initializer_range": 0.005}
+MAX_TOKENS = 64
+K = 3
+MIN_ACCEPTANCE_LENGTH = 1.8
+
+
+def train_options():
+    from ascend_specdec.medusa import TrainOptions
+
+    return TrainOptions(heads=K, samples=4000, steps=3000, continuation_tokens=MAX_TOKENS,
+                        seed=0)
+
+
+def medusa(heads_dir, k=K) -> dict:
+    return {"method": "medusa", "model": str(heads_dir), "num_speculative_tokens": k}
+
+
+def run(model, env=None, **llm) -> dict:
+    return run_vllm({"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                     "llm": {"disable_log_stats": False, **llm}}, env)
+
+
+def acceptance_length(result) -> float:
+    metrics = result["metrics"]
+    drafts = metrics["vllm:spec_decode_num_drafts"]
+    assert drafts > 0, metrics
+    return 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
+
+
+@pytest.fixture(scope="module")
+def base_dir() -> str:
+    from ascend_plugin.tiny_models import ensure_model
+
+    return str(ensure_model("llama", **MEDUSA_BASE))
+
+
+@pytest.fixture(scope="module")
+def heads_dir(base_dir) -> str:
+    from ascend_specdec.medusa import ensure_medusa_heads
+
+    # Trained once (about a minute on 2 cores), then cached by base model and options.
+    return str(ensure_medusa_heads(base_dir, train_options()))
+
+
+@pytest.fixture(scope="module")
+def without_speculation(base_dir) -> dict:
+    return run(base_dir, HOST)
+
+
+@pytest.fixture(scope="module")
+def ours(base_dir, heads_dir) -> dict:
+    return run(base_dir, HOST, speculative_config=medusa(heads_dir))
+
+
+@pytest.fixture(scope="module")
+def ours_batch_1(base_dir, heads_dir) -> dict:
+    return run(base_dir, HOST, speculative_config=medusa(heads_dir), max_num_seqs=1)
+
+
+def test_our_proposer_runs_inside_vllm(ours):
+    (worker,) = ours["workers"]
+    assert worker["model_runner"] == "ascend_core.worker.host_model_runner.AscendHostModelRunner"
+    assert worker["proposer_source"] == "ascend"
+    assert worker["drafter"] == "AscendMedusaProposer"
+
+
+def test_greedy_output_equals_no_speculation_at_batch_8(ours, without_speculation):
+    assert len({tuple(ids) for ids in without_speculation["token_ids"]}) == len(PROMPTS)
+    assert ours["token_ids"] == without_speculation["token_ids"]
+
+
+def test_greedy_output_equals_no_speculation_at_batch_1(ours_batch_1, without_speculation):
+    assert ours_batch_1["token_ids"] == without_speculation["token_ids"]
+
+
+def test_mean_acceptance_length_at_k3(ours, ours_batch_1):
+    length = acceptance_length(ours)
+    per_position = ours["metrics"]["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    drafts = ours["metrics"]["vllm:spec_decode_num_drafts"]
+    print(f"\nMedusa k={K}: mean acceptance length {length:.3f} (vLLM's counters: "
+          f"{drafts} drafts, accepted per position {per_position}); at batch 1 "
+          f"{acceptance_length(ours_batch_1):.3f}")
+    assert length >= MIN_ACCEPTANCE_LENGTH
+
+
+def test_stock_vllm_loads_the_same_heads_and_drafts_the_same(base_dir, heads_dir, ours,
+                                                            without_speculation):
+    # Without VLLM_ASCEND_TARGET the plugin stays out and vLLM's own MedusaProposer runs.
+    stock = run(base_dir, None, speculative_config=medusa(heads_dir))
+    (worker,) = stock["workers"]
+    assert worker["drafter"] == "MedusaProposer" and worker["proposer_source"] is None
+    assert stock["token_ids"] == without_speculation["token_ids"]
+    # Same heads, same hidden states: the same drafts, hence the same acceptance counters.
+    assert stock["metrics"] == ours["metrics"]
+
+
+def test_heads_for_another_hidden_size_fail_at_start_up(base_dir, tmp_path):
+    from ascend_specdec.medusa import MedusaHeads, MedusaHeadsConfig, save_heads
+
+    save_heads(MedusaHeads(MedusaHeadsConfig(hidden_size=64, vocab_size=2048, num_heads=K)),
+               tmp_path)
+    output = start_failure({"model": base_dir, "prompts": ["x"],
+                            "llm": {"speculative_config": medusa(tmp_path)}}, HOST)
+    assert "MedusaConfigError" in output
+    assert "hidden_size=64, but the base model's hidden size is 128" in output
+
+
+def test_more_speculative_tokens_than_heads_fail_at_start_up(base_dir, heads_dir):
+    output = start_failure({"model": base_dir, "prompts": ["x"],
+                            "llm": {"speculative_config": medusa(heads_dir, k=K + 1)}}, HOST)
+    assert f"num_speculative_tokens={K + 1} is more than the {K} Medusa heads" in output
