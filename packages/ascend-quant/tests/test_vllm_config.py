@@ -111,9 +111,10 @@ print(before, config.model_config.quantization, type(config.quant_config).__name
 """
 
 
-def test_config_hook_selects_ascend_for_a_modelslim_folder(tmp_path):
-    """What the platforms' check_and_update_config would do with the hook: vLLM built no
-    quantization config for the folder; the hook selects 'ascend' and builds ours."""
+def test_host_platform_hook_selects_ascend_for_a_modelslim_folder(tmp_path):
+    """The host platform's check_and_update_config runs the hook (core's CONFIG_HOOKS), so
+    the engine config of an msModelSlim folder already has our config; running the hook
+    again changes nothing."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from ascend_quant.writers import Group, write_modelslim
@@ -129,5 +130,6 @@ def test_config_hook_selects_ascend_for_a_modelslim_folder(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     before, method, config, entries = out.stdout.strip().splitlines()[-1].split()
-    assert (before, method, config) == ("NoneType", "ascend", "AscendModelSlimConfig")
+    assert (before, method, config) == ("AscendModelSlimConfig", "ascend",
+                                        "AscendModelSlimConfig")
     assert int(entries) > 0
