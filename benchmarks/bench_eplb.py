@@ -57,6 +57,8 @@ from ascend_eplb.placement import logcnt_from_phy2log  # noqa: E402
 from ascend_eplb.synthetic import drift_loads, zipf_loads  # noqa: E402
 from ascend_eplb.transfer import plan_transfers  # noqa: E402
 
+import host_machine  # noqa: E402  (beside this script)
+
 NUM_LAYERS, NUM_EXPERTS, NUM_RANKS, NUM_NODES = 58, 256, 64, 8
 EXPONENTS = (0.6, 1.0, 1.2)
 REDUNDANCY = (0, 64, 128)
@@ -310,14 +312,7 @@ def reproduction(results):
 
 
 def machine():
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = host_machine.cpu_model()
     try:
         import vllm
 

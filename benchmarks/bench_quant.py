@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +33,8 @@ from ascend_quant.formats.compressed_tensors import classify
 from ascend_quant.lookup import scheme_class
 from ascend_quant.quantize import quantize_per_token, quantize_static
 from ascend_quant.schemes import LayerShapes
+
+import host_machine  # beside this script
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = [(4096, 4096), (4096, 14336)]
@@ -125,16 +125,7 @@ def bench(quick: bool) -> list[dict]:
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+    return host_machine.describe()
 
 
 def markdown(rows: list[dict], where: str) -> str:

@@ -33,12 +33,13 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import host_machine  # beside this script
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = [
@@ -240,18 +241,7 @@ def count_parameters(folder: Path) -> int:
 
 
 def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+    return host_machine.describe()
 
 
 def main() -> None:
