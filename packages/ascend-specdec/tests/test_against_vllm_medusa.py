@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import vllm  # noqa: E402,F401  (this file runs where vLLM is installed)
-from medusa_cases import random_heads  # noqa: E402
 from vllm.v1.spec_decode.medusa import MedusaProposer  # noqa: E402
 
 from ascend_core.registry import SPECULATIVE_PROPOSERS  # noqa: E402
@@ -16,6 +15,8 @@ from ascend_specdec import register  # noqa: E402
 from ascend_specdec.medusa import MedusaConfigError, save_heads  # noqa: E402
 from ascend_specdec.medusa.checkpoint import iter_safetensors  # noqa: E402
 from ascend_specdec.vllm.medusa_proposer import AscendMedusaProposer  # noqa: E402
+
+from medusa_cases import random_heads  # noqa: E402
 
 
 def vllm_config(heads_dir, k=3, hidden=16, vocab=40, dtype=torch.float32):

@@ -4,10 +4,11 @@ import json
 
 import pytest
 import torch
-from medusa_cases import random_heads
 from safetensors.torch import load_file, save_file
 
 from ascend_specdec.medusa import MedusaConfigError, load_heads, save_heads
+
+from medusa_cases import random_heads
 
 
 @pytest.mark.parametrize("fields", [{}, {"original_lm_head": True, "truncated_vocab_size": 12},

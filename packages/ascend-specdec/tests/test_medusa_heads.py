@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from medusa_cases import random_heads
 from torch.nn import functional as F
 
 from ascend_specdec.medusa import MedusaConfigError, last_accepted_rows
+
+from medusa_cases import random_heads
 
 
 def reference_logits(heads, hidden):

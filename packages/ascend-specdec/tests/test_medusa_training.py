@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from medusa_cases import ToyBigramLM
 
 from ascend_specdec.medusa import TrainOptions, load_heads, save_heads
 from ascend_specdec.medusa.training import (
@@ -19,6 +18,8 @@ from ascend_specdec.medusa.training import (
     to_draft_vocab,
     train_heads,
 )
+
+from medusa_cases import ToyBigramLM
 
 QUIET = {"log": lambda message: None}
 
