@@ -88,6 +88,11 @@ def _describe(entry: Any) -> str:
 # The model runners look a method up here first and use vLLM's own proposer otherwise.
 SPECULATIVE_PROPOSERS: Registry[Callable[..., Any]] = Registry("speculative method")
 
+# Rejection samplers: name -> factory(sampler, speculative_config, device) -> a drop-in for
+# vLLM's RejectionSampler, or None when it cannot serve that configuration. The model runners
+# use the "ascend" entry when one is registered and vLLM's own sampler otherwise.
+REJECTION_SAMPLERS: Registry[Callable[..., Any]] = Registry("rejection sampler")
+
 # Quantization: scheme name (e.g. "W8A8_DYNAMIC") -> scheme class.
 QUANT_SCHEMES: Registry[Any] = Registry("quantization scheme")
 

@@ -15,3 +15,12 @@ def register() -> None:
     from ascend_specdec.medusa import medusa_proposer_factory
 
     SPECULATIVE_PROPOSERS.register("medusa", medusa_proposer_factory)
+    _register_rejection_sampler()
+
+
+def _register_rejection_sampler() -> None:
+    """Our rejection sampler under core's "ascend" entry, used by both model runners."""
+    from ascend_core.registry import REJECTION_SAMPLERS
+    from ascend_specdec.rejection import rejection_sampler_factory
+
+    REJECTION_SAMPLERS.register("ascend", rejection_sampler_factory)

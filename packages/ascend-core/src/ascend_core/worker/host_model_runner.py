@@ -5,10 +5,14 @@ from __future__ import annotations
 import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from ascend_core.worker.speculative import install_registered_proposer
+from ascend_core.worker.speculative import (
+    install_registered_proposer,
+    install_registered_rejection_sampler,
+)
 
 
 class AscendHostModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device: torch.device):
         super().__init__(vllm_config, device)
         self.proposer_source = install_registered_proposer(self)
+        self.rejection_sampler_source = install_registered_rejection_sampler(self)

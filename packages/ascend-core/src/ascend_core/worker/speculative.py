@@ -1,7 +1,9 @@
-"""Speculative proposers chosen through core's registry, for both model runners.
+"""Speculative proposers and the rejection sampler, chosen through core's registries, for
+both model runners.
 
-ascend-specdec registers a factory per vLLM method name; a method with no
-registered factory keeps the proposer vLLM's own model runner built.
+ascend-specdec registers a proposer factory per vLLM method name; a method with no
+registered factory keeps the proposer vLLM's own model runner built. Likewise the
+rejection sampler: the registered "ascend" one replaces vLLM's when there is one.
 """
 
 from __future__ import annotations
@@ -9,9 +11,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ascend_core.registry import SPECULATIVE_PROPOSERS
+from ascend_core.registry import REJECTION_SAMPLERS, SPECULATIVE_PROPOSERS
 
 logger = logging.getLogger(__name__)
+
+# The REJECTION_SAMPLERS entry the model runners use.
+REJECTION_SAMPLER_NAME = "ascend"
 
 
 def create_registered_proposer(vllm_config: Any, device: Any, runner: Any) -> Any | None:
@@ -42,3 +47,31 @@ def install_registered_proposer(runner: Any) -> str:
     logger.info("speculative method %r: using %s.%s from the Ascend registry", method,
                 type(proposer).__module__, type(proposer).__qualname__)
     return "ascend"
+
+
+def install_registered_rejection_sampler(runner: Any, name: str = REJECTION_SAMPLER_NAME) -> str:
+    """Replace ``runner.rejection_sampler`` with the registered one, if any.
+
+    The factory gets what vLLM's ``RejectionSampler`` is built from (the runner's sampler,
+    the speculative config, the device) and may return None for a configuration it does
+    not serve, which keeps vLLM's. Returns "ascend", "vllm", or "none" (no speculation).
+    """
+    if getattr(runner, "rejection_sampler", None) is None:
+        return "none"
+    spec_config = runner.vllm_config.speculative_config
+    factory = REJECTION_SAMPLERS.find(name)
+    sampler = None if factory is None else factory(runner.sampler, spec_config, runner.device)
+    if sampler is None:
+        why = ("none is registered" if factory is None
+               else f"{_describe(factory)} declined this configuration")
+        logger.info("rejection sampler: using vLLM's %s (%s under %r)",
+                    type(runner.rejection_sampler).__name__, why, name)
+        return "vllm"
+    runner.rejection_sampler = sampler
+    logger.info("rejection sampler: using %s from the Ascend registry (%r)",
+                _describe(type(sampler)), name)
+    return "ascend"
+
+
+def _describe(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"

@@ -1,0 +1,95 @@
+"""Our rejection sampler in place of vLLM's, for both model runners.
+
+A subclass of vLLM's ``RejectionSampler`` with the same call and output: the runner's
+sampler still draws the bonus tokens and vLLM's logits processors (bad words, min tokens,
+allowed ids, thinking budget) and logprobs code run as before, while penalties,
+temperature, top-k / top-p and the verification itself (greedy and random, recovered
+tokens) run on ascend-kernels' ops through :mod:`ascend_specdec.rejection`.
+``parse_output`` is vLLM's: the output layout is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN, RejectionSampler
+
+from ascend_kernels.sampling import apply_penalties
+from ascend_specdec.rejection import apply_sampling_constraints, rejection_sample
+
+
+class AscendRejectionSampler(RejectionSampler):
+    """``backend`` forces an ascend-kernels backend ("reference", "triton"); None picks one
+    per device (reference on the CPU, Triton on npu and cuda)."""
+
+    def __init__(self, sampler, spec_config=None, device=None, backend: str | None = None):
+        if getattr(spec_config, "rejection_sample_method", "standard") == "synthetic":
+            raise ValueError("AscendRejectionSampler verifies drafts; rejection_sample_method="
+                             "'synthetic' (fixed acceptance rates) is served by vLLM's "
+                             "RejectionSampler, which the model runner keeps for it")
+        super().__init__(sampler, spec_config, device)
+        self.backend = backend
+        # Steps verified, for tests and logs that need to see this class at work.
+        self.num_calls = 0
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        if metadata.max_spec_len > MAX_SPEC_LEN:
+            raise ValueError(f"a request has {metadata.max_spec_len} draft tokens; at most "
+                             f"{MAX_SPEC_LEN} are supported (num_speculative_tokens)")
+        self.num_calls += 1
+        bonus_output = self.sampler(
+            logits=logits[metadata.bonus_logits_indices],
+            sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
+            predict_bonus_token=True,
+            # The accepted tokens' logprobs are read from these logits below.
+            logprobs_mode_override=("processed_logits" if self.is_processed_logprobs_mode
+                                    else "raw_logits"),
+        )
+        # Indexing copies, so the target rows may be changed in place from here on.
+        raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
+        wants_logprobs = sampling_metadata.max_num_logprobs is not None
+        target_logits = raw_target_logits
+        if wants_logprobs and not self.is_processed_logprobs_mode:
+            target_logits = raw_target_logits.clone()  # raw logprobs read the untouched copy
+        target_logits = self.apply_logits_processors(target_logits, sampling_metadata,
+                                                     metadata)
+        if not sampling_metadata.all_greedy:
+            target_logits = apply_sampling_constraints(
+                target_logits, metadata.cu_num_draft_tokens, sampling_metadata.temperature,
+                sampling_metadata.top_k, sampling_metadata.top_p, backend=self.backend)
+        output_token_ids = rejection_sample(
+            metadata.draft_token_ids, metadata.num_draft_tokens, metadata.cu_num_draft_tokens,
+            metadata.max_spec_len, draft_probs, target_logits,
+            bonus_output.sampled_token_ids,
+            temperature=sampling_metadata.temperature, all_greedy=sampling_metadata.all_greedy,
+            all_random=sampling_metadata.all_random, generators=sampling_metadata.generators,
+            use_fp64_gumbel=self.use_fp64_gumbel, backend=self.backend)
+        logprobs_tensors = None
+        if wants_logprobs:
+            logprobs_tensors = self._get_logprobs_tensors(
+                sampling_metadata.max_num_logprobs, metadata, logits,
+                target_logits if self.is_processed_logprobs_mode else raw_target_logits,
+                bonus_output.logprobs_tensors.logprobs, output_token_ids)
+        return SamplerOutput(sampled_token_ids=output_token_ids,
+                             logprobs_tensors=logprobs_tensors)
+
+    @staticmethod
+    def apply_penalties(logits, sampling_metadata, metadata, repeat_indices,
+                        output_token_ids) -> torch.Tensor:
+        """vLLM's hook, on ascend-kernels' ``apply_penalties``: ``repeat_indices`` maps
+        each draft row to its request, ``output_token_ids`` holds each row's tokens so
+        far (the drafts before it included)."""
+        if sampling_metadata.no_penalties:
+            return logits
+        vocab = logits.shape[1]
+        longest = max((len(ids) for ids in output_token_ids), default=0)
+        outputs = torch.full((len(output_token_ids), longest), vocab, dtype=torch.int64)
+        for row, ids in enumerate(output_token_ids):
+            outputs[row, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        return apply_penalties(
+            logits, sampling_metadata.prompt_token_ids[repeat_indices],
+            outputs.to(logits.device), sampling_metadata.presence_penalties[repeat_indices],
+            sampling_metadata.frequency_penalties[repeat_indices],
+            sampling_metadata.repetition_penalties[repeat_indices])
