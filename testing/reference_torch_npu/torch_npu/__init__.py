@@ -30,7 +30,9 @@ Memory is accounted by a modelled caching allocator that tests drive through
 ``reset_state()`` and ``uninstall()``.
 
 Modelled: ``torch.npu`` device selection, properties, memory statistics, streams, events
-and seeding; ``torch_npu.npu_rms_norm`` and ``torch_npu.npu_swiglu``. Not modelled: tensors
+and seeding; ``torch_npu.npu_rms_norm`` and ``torch_npu.npu_swiglu``; the norm, quant and
+rotary ops of ``_ops_norm_quant``, the routing ops of ``_ops_routing`` and the weight
+quantization and grouped-matmul ops of ``_ops_quant``. Not modelled: tensors
 on the npu device, NPU graphs, profiling, formats (``npu_format_cast``), every other fused
 op; those names are absent, so their use fails. The exception is a name that libraries
 import eagerly when torch_npu is importable (transformers imports ``npu_fusion_attention``):
@@ -48,6 +50,12 @@ from torch_npu._ops_norm_quant import (
     npu_quant_matmul,
     npu_rotary_mul,
 )
+from torch_npu._ops_quant import (
+    npu_convert_weight_to_int4pack,
+    npu_grouped_matmul,
+    npu_quantize,
+    npu_weight_quant_batchmatmul,
+)
 from torch_npu._ops_routing import (
     npu_moe_gating_top_k,
     npu_moe_gating_top_k_softmax,
@@ -63,4 +71,6 @@ _install(npu)
 __all__ = ["npu", "npu_fusion_attention", "npu_rms_norm", "npu_swiglu",
            "npu_add_rms_norm", "npu_add_rms_norm_dynamic_quant", "npu_add_rms_norm_quant",
            "npu_apply_rotary_pos_emb", "npu_dynamic_quant", "npu_quant_matmul", "npu_rotary_mul",
-           "npu_moe_gating_top_k", "npu_moe_gating_top_k_softmax", "npu_top_k_top_p"]
+           "npu_moe_gating_top_k", "npu_moe_gating_top_k_softmax", "npu_top_k_top_p",
+           "npu_convert_weight_to_int4pack", "npu_grouped_matmul", "npu_quantize",
+           "npu_weight_quant_batchmatmul"]

@@ -1,0 +1,249 @@
+"""The reference's weight-quantization and grouped-matmul ops against plain torch math and
+the argument rules of their torch_npu documentation pages."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REFERENCE_PATH = str(Path(__file__).resolve().parents[1])
+HALF = [torch.float16, torch.bfloat16]
+ATOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def torch_npu():
+    sys.path.insert(0, REFERENCE_PATH)
+    importlib.invalidate_caches()
+    module = importlib.import_module("torch_npu")
+    yield module
+    if "torch_npu" in sys.modules:
+        importlib.import_module("torch_npu._reference").uninstall()
+    sys.path.remove(REFERENCE_PATH)
+
+
+def _close(actual, expected, dtype, scale=1.0):
+    assert actual.dtype == dtype
+    tol = ATOL[dtype] * scale
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+# --- npu_quantize -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_quantize_div_mode_divides_and_adds_the_zero_point(torch_npu, dtype):
+    x = torch.randn(4, 6, 32, dtype=dtype) * 3
+    scale = torch.tensor([0.05])
+    out = torch_npu.npu_quantize(x, scale, torch.tensor([3], dtype=torch.int32),
+                                 torch.qint8, -1, True)
+    expected = torch.round(x.float() / 0.05 + 3).clamp(-128, 127).to(torch.int8)
+    assert out.dtype == torch.int8 and torch.equal(out, expected)
+    assert int(out.max()) == 127  # |x| / 0.05 exceeds int8: saturated
+
+
+def test_quantize_per_channel_scales_run_along_axis(torch_npu):
+    x = torch.randn(5, 8)
+    per_row = torch.rand(5) + 0.1
+    out = torch_npu.npu_quantize(x, per_row, None, torch.qint8, 0, True)
+    assert torch.equal(out, torch.round(x / per_row[:, None]).clamp(-128, 127).to(torch.int8))
+    per_col = torch.rand(8) + 0.1
+    out = torch_npu.npu_quantize(x, per_col, None, torch.qint8, -1, True)
+    assert torch.equal(out, torch.round(x / per_col).clamp(-128, 127).to(torch.int8))
+
+
+def test_quantize_multiply_mode_and_axis_minus_two(torch_npu):
+    x = torch.randn(2, 3, 16, dtype=torch.bfloat16)
+    scales = torch.full((16,), 20.0, dtype=torch.bfloat16)
+    zeros = torch.full((16,), -1.0, dtype=torch.bfloat16)
+    out = torch_npu.npu_quantize(x, scales, zeros, torch.qint8, -1, False)
+    assert torch.equal(out, torch.round(x.float() * 20 - 1).clamp(-128, 127).to(torch.int8))
+    rows = torch.rand(1, 3, 1) * 10
+    out = torch_npu.npu_quantize(x.float(), rows, None, torch.qint8, -2, False)
+    assert torch.equal(out, torch.round(x.float() * rows).clamp(-128, 127).to(torch.int8))
+
+
+def test_quantize_to_quint4x2_packs_eight_saturated_values_per_word(torch_npu):
+    x = torch.tensor([[0.0, 1, -1, 7, -8, 20, -20, 3, 2, 2, 2, 2, 2, 2, 2, -2]])
+    out = torch_npu.npu_quantize(x, torch.tensor([1.0]), None, torch.quint4x2, -1, False)
+    assert out.dtype == torch.int32 and out.shape == (1, 2)
+    words = out.to(torch.int64) & 0xFFFFFFFF
+    nibbles = [(int(words[0, w]) >> (4 * j)) & 0xF for w in range(2) for j in range(8)]
+    signed = [v - 16 if v >= 8 else v for v in nibbles]
+    assert signed == [0, 1, -1, 7, -8, 7, -8, 3, 2, 2, 2, 2, 2, 2, 2, -2]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"scales": torch.tensor([1.0], dtype=torch.float16)}, TypeError, "div_mode=True"),
+    ({"zero_points": torch.tensor([1.0])}, TypeError, "zero_points has dtype"),
+    ({"scales": torch.ones(3)}, ValueError, "1 or input.shape"),
+    ({"dtype": torch.quint8}, NotImplementedError, "not modelled"),
+    ({"dtype": torch.float16}, TypeError, "dtype must be"),
+    ({"dtype": torch.quint4x2}, ValueError, "div_mode=False"),
+    ({"scales": torch.ones(1, 8)}, NotImplementedError, "multi-dim|dim scales"),
+    ({"div_mode": False, "axis": -3}, ValueError, r"\[-2"),
+    ({"div_mode": False, "zero_points": torch.ones(1, dtype=torch.bfloat16)}, ValueError,
+     "scales' shape and dtype"),
+])
+def test_quantize_refuses_what_the_page_rules_out(torch_npu, kwargs, error, match):
+    args = {"input": torch.randn(4, 8), "scales": torch.tensor([0.1]), "zero_points": None,
+            "dtype": torch.qint8, "axis": -1, "div_mode": True} | kwargs
+    with pytest.raises(error, match=match):
+        torch_npu.npu_quantize(**args)
+
+
+# --- npu_convert_weight_to_int4pack -------------------------------------------------------
+
+
+def test_int4pack_packs_eight_nibbles_low_first(torch_npu):
+    torch.manual_seed(0)
+    w = torch.randint(-8, 8, (6, 24), dtype=torch.int32)
+    packed = torch_npu.npu_convert_weight_to_int4pack(w)
+    assert packed.dtype == torch.int32 and packed.shape == (6, 3)
+    as_bytes = packed.contiguous().view(torch.uint8).reshape(6, 12)  # little endian
+    low = (as_bytes & 0xF).to(torch.int16)
+    high = (as_bytes >> 4).to(torch.int16)
+    values = torch.stack([low, high], -1).reshape(6, 24)
+    values = torch.where(values >= 8, values - 16, values)
+    assert torch.equal(values.to(torch.int32), w)
+
+
+@pytest.mark.parametrize(("weight", "kwargs", "error", "match"), [
+    (torch.zeros(4, 8, dtype=torch.int8), {}, TypeError, "int32"),
+    (torch.zeros(4, 12, dtype=torch.int32), {}, ValueError, "multiple of 8"),
+    (torch.full((4, 8), 8, dtype=torch.int32), {}, ValueError, r"\[-8, 7\]"),
+    (torch.zeros(8, 4, dtype=torch.int32).t(), {}, ValueError, "contiguous"),
+    (torch.zeros(2, 4, 8, dtype=torch.int32), {}, ValueError, "2-D"),
+    (torch.zeros(4, 8, dtype=torch.int32), {"inner_k_tiles": 2}, ValueError, "inner_k_tiles"),
+])
+def test_int4pack_refuses(torch_npu, weight, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        torch_npu.npu_convert_weight_to_int4pack(weight, **kwargs)
+
+
+# --- npu_weight_quant_batchmatmul ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_weight_quant_matmul_int8_per_channel_with_offset_and_bias(torch_npu, dtype):
+    torch.manual_seed(1)
+    x = torch.randn(5, 64, dtype=dtype)
+    w = torch.randint(-128, 128, (64, 48), dtype=torch.int8)
+    scale = (torch.rand(48) * 0.01).to(dtype)
+    offset = torch.randint(-3, 3, (48,)).to(dtype)
+    bias = torch.randn(48, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
+    out = torch_npu.npu_weight_quant_batchmatmul(x, w, scale, offset, bias=bias)
+    expected = x.float() @ ((w.float() + offset.float()) * scale.float()) + bias.float()
+    _close(out, expected, dtype, scale=4)
+    # (1, N) scales and a transposed weight view give the same
+    wt = w.t().contiguous().t()
+    again = torch_npu.npu_weight_quant_batchmatmul(x, wt, scale.reshape(1, 48),
+                                                   offset.reshape(1, 48), bias=bias)
+    assert torch.equal(again, out)
+
+
+def test_weight_quant_matmul_int4_packed_grouped(torch_npu):
+    torch.manual_seed(2)
+    k, n, group = 128, 16, 32
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    w = torch.randint(-8, 8, (k, n), dtype=torch.int32)
+    packed = torch_npu.npu_convert_weight_to_int4pack(w)
+    scale = (torch.rand(k // group, n) * 0.1).to(torch.bfloat16)
+    out = torch_npu.npu_weight_quant_batchmatmul(x, packed, scale, antiquant_group_size=group)
+    deq = w.float() * scale.float().repeat_interleave(group, 0)
+    _close(out, x.float() @ deq, torch.bfloat16, scale=2)
+    # the transposed form: (N, K) packed along K, passed as its transpose
+    packed_nk = torch_npu.npu_convert_weight_to_int4pack(w.t().contiguous())
+    again = torch_npu.npu_weight_quant_batchmatmul(x, packed_nk.t(), scale,
+                                                   antiquant_group_size=group)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"x": torch.randn(2, 64)}, TypeError, "x has dtype"),
+    ({"antiquant_scale": torch.ones(16)}, TypeError, "x's"),
+    ({"antiquant_scale": torch.ones(3, dtype=torch.float16)}, ValueError, "per channel"),
+    ({"antiquant_group_size": 16,
+      "antiquant_scale": torch.ones(4, 16, dtype=torch.float16)}, ValueError, "multiple of 32"),
+    ({"antiquant_group_size": 32}, ValueError, "per-group antiquant_scale"),
+    ({"antiquant_offset": torch.ones(16)}, ValueError, "antiquant_offset"),
+    ({"bias": torch.ones(16)}, TypeError, "bias has dtype"),
+    ({"quant_scale": torch.ones(16)}, NotImplementedError, "quant_scale"),
+    ({"antiquant_scale": torch.ones(16, dtype=torch.int64)}, NotImplementedError, "int64"),
+    ({"weight": torch.zeros(32, 16, dtype=torch.int8)}, ValueError, "do not multiply"),
+    ({"inner_precise": 2}, ValueError, "inner_precise"),
+])
+def test_weight_quant_matmul_refuses(torch_npu, kwargs, error, match):
+    args = {"x": torch.randn(2, 64, dtype=torch.float16),
+            "weight": torch.zeros(64, 16, dtype=torch.int8),
+            "antiquant_scale": torch.ones(16, dtype=torch.float16)} | kwargs
+    with pytest.raises(error, match=match):
+        torch_npu.npu_weight_quant_batchmatmul(**args)
+
+
+# --- npu_grouped_matmul -------------------------------------------------------------------
+
+
+def _groups(counts):
+    return torch.tensor(counts, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("list_type", [0, 1])
+def test_grouped_matmul_int8_per_token_single_weight(torch_npu, list_type):
+    torch.manual_seed(3)
+    counts = [3, 0, 5]
+    m, k, n = sum(counts), 32, 24
+    x = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-128, 128, (3, k, n), dtype=torch.int8)
+    scale = (torch.rand(3, n) * 1e-3).to(torch.bfloat16)
+    tokens = torch.rand(m) * 0.1
+    group_list = _groups(counts if list_type else [3, 3, 8])
+    (out,) = torch_npu.npu_grouped_matmul(
+        [x], [w], scale=[scale], per_token_scale=[tokens], group_list=group_list,
+        split_item=2, group_type=0, group_list_type=list_type, output_dtype=torch.bfloat16)
+    expert = [0] * 3 + [2] * 5
+    expected = torch.stack([(x[i].double() @ w[e].double()).float() * scale[e].float()
+                            * tokens[i] for i, e in enumerate(expert)])
+    _close(out, expected, torch.bfloat16)
+
+
+def test_grouped_matmul_multi_weight_float_with_bias(torch_npu):
+    torch.manual_seed(4)
+    x = torch.randn(6, 16, dtype=torch.float16)
+    ws = [torch.randn(16, 8, dtype=torch.float16) for _ in range(2)]
+    biases = [torch.randn(8, dtype=torch.float16) for _ in range(2)]
+    (out,) = torch_npu.npu_grouped_matmul([x], ws, bias=biases, group_list=_groups([2, 4]),
+                                          split_item=3, group_type=0, group_list_type=1)
+    expected = torch.cat([x[:2].float() @ ws[0].float() + biases[0].float(),
+                          x[2:].float() @ ws[1].float() + biases[1].float()])
+    _close(out, expected, torch.float16, scale=4)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"group_list": [2, 4]}, NotImplementedError, "Tensor group_list"),
+    ({"group_list": _groups([4, 2])}, ValueError, "non-decreasing"),
+    ({"group_list": _groups([2, 5])}, ValueError, "covers 5 rows"),
+    ({"group_list": _groups([6])}, ValueError, "one per weight group"),
+    ({"split_item": 0}, NotImplementedError, "split_item"),
+    ({"group_type": -1}, NotImplementedError, "group_type"),
+    ({"act_type": 5}, NotImplementedError, "act_type"),
+    ({"output_dtype": torch.float16}, TypeError, "scale has dtype"),
+    ({"output_dtype": None}, NotImplementedError, "output_dtype"),
+    ({"per_token_scale": [torch.rand(5)]}, ValueError, "per_token_scale"),
+    ({"offset": [torch.zeros(8)]}, ValueError, "offset"),
+    ({"antiquant_scale": [torch.ones(2, 8)]}, NotImplementedError, "antiquant"),
+    ({"scale": [torch.ones(8, dtype=torch.bfloat16)]}, ValueError, r"\(2, 8\)"),
+])
+def test_grouped_matmul_refuses(torch_npu, kwargs, error, match):
+    args = {"x": [torch.zeros(6, 16, dtype=torch.int8)],
+            "weight": [torch.zeros(2, 16, 8, dtype=torch.int8)],
+            "scale": [torch.ones(2, 8, dtype=torch.bfloat16)],
+            "per_token_scale": [torch.ones(6)], "group_list": _groups([2, 6]),
+            "split_item": 2, "group_type": 0, "output_dtype": torch.bfloat16} | kwargs
+    x, weight = args.pop("x"), args.pop("weight")
+    with pytest.raises(error, match=match):
+        torch_npu.npu_grouped_matmul(x, weight, **args)
