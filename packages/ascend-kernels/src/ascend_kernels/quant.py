@@ -203,17 +203,28 @@ def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def _int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Exact ``a @ b`` of int8 matrices as float64 (int32 matmul where torch has it)."""
+    """Exact ``a @ b`` of int8 matrices, rounded once to float32.
+
+    On the CPU ``torch._int_mm`` (int8 x int8 -> int32, oneDNN) is 4-6x faster than an
+    int32 matmul, which torch runs without BLAS; it is used where it takes the inputs and
+    the int32 matmul is the fallback. Other devices use float64, which holds every int32
+    sum exactly.
+    """
     if a.device.type == "cpu":
-        return (a.to(torch.int32) @ b.to(torch.int32)).double()
-    # float64 holds every int32 sum exactly; devices without integer matmul have it.
-    return a.double() @ b.double()
+        int_mm = getattr(torch, "_int_mm", None)
+        if int_mm is not None:
+            try:
+                return int_mm(a, b).float()
+            except RuntimeError:  # a torch build or layout _int_mm does not take
+                pass
+        return (a.to(torch.int32) @ b.to(torch.int32)).float()
+    return (a.double() @ b.double()).float()
 
 
 def scaled_int8_mm_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                              scale_b: torch.Tensor, out_dtype: torch.dtype,
                              bias: torch.Tensor | None = None) -> torch.Tensor:
-    acc = _int_matmul(a, b).float()
+    acc = _int_matmul(a, b)
     out = acc * scale_a.float().reshape(-1, 1) * scale_b.float().reshape(1, -1)
     if bias is not None:
         out = out + bias.float()
