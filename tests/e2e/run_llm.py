@@ -22,6 +22,9 @@ def probe_worker(worker) -> dict:
         "model_runner": type(runner).__module__ + "." + type(runner).__name__,
         "proposer_source": getattr(runner, "proposer_source", None),
         "drafter": type(runner.drafter).__name__ if hasattr(runner, "drafter") else None,
+        # Counters our proposers keep of their own steps (AscendEagleProposer), if any.
+        "drafter_counters": dict(getattr(getattr(runner, "drafter", None), "ascend_counters",
+                                         None) or {}),
         "layer_classes": sorted({type(m).__name__ for m in modules
                                  if type(m).__name__.startswith(("Ascend", "RMSNorm",
                                                                  "SiluAndMul"))}),
