@@ -11,6 +11,10 @@ A scheme is the math of one quantized linear layer, independent of vLLM:
    int4 repacking, folded biases); validates what it reads.
 3. ``apply(weights, x, bias)``: ``y = x @ W^T + bias`` with the quantized weight.
 
+``process`` picks the runtime form once: the host form (ascend-kernels' ops, reference or
+Triton) or, for weights on an npu device, the npu form (torch_npu's quantized matmuls; see
+``ascend_quant.schemes.npu``); ``apply`` serves whichever form it is given.
+
 Two checkpoint layouts exist for the same math: ``compressed-tensors`` and msModelSlim
 (``modelslim``); a scheme instance is built for one of them.
 """
@@ -134,9 +138,13 @@ class LinearScheme(ABC):
     #: folds it into its own quantized bias (msModelSlim W8A8).
     folds_layer_bias: bool = False
 
-    def __init__(self, options: SchemeOptions, layer_name: str = "") -> None:
+    def __init__(self, options: SchemeOptions, layer_name: str = "", *,
+                 backend: str | None = None) -> None:
         self.options = options
         self.layer_name = layer_name
+        #: None: the npu form for weights on an npu device (with torch_npu), else the host
+        #: form; "npu" / "reference" force one (see ``ascend_quant.schemes.npu``).
+        self.backend = backend
         self.validate_options()
 
     @property

@@ -10,6 +10,15 @@ host path multiplies the dequantized activations by the dequantized weight in fl
 
 msModelSlim W4A8_DYNAMIC with a ``group_size`` stores a second, per-group scale
 (``weight_scale_second``) that multiplies the per-channel ``weight_scale``.
+
+On npu torch_npu documents no int8 x int4 matmul (``npu_quant_matmul`` multiplies int8 by
+int8 or int4 by int4), and its int4 x int4 rows take per-token scales only with grouped
+weight scales and offsets, so both schemes are composed of documented ops: activations
+are quantized per token (``npu_dynamic_quant`` for int8; ``npu_quantize`` with per-row
+scales for int4), dequantized to the activation dtype, and multiplied by the int4 weight
+(packed at load by ``npu_convert_weight_to_int4pack``) with
+``npu_weight_quant_batchmatmul``, per channel or per group. The result is the host
+path's up to the rounding of the dequantized activations to float16/bfloat16.
 """
 
 from __future__ import annotations
@@ -20,7 +29,9 @@ from typing import ClassVar
 import torch
 
 from ascend_kernels import dynamic_per_token_quant, scaled_int8_mm
-from ascend_quant.quantize import quantize_per_token
+from ascend_kernels.dispatch import NPU
+from ascend_quant.quantize import int_range, quantize_per_token
+from ascend_quant.schemes import npu
 from ascend_quant.schemes.base import (
     COMPRESSED_TENSORS,
     FLOATS,
@@ -33,6 +44,11 @@ from ascend_quant.schemes.base import (
 )
 from ascend_quant.schemes.runtime import dequantize_kn, input_size, int_weight_kn, runtime_weight
 from ascend_quant.schemes.stored import decode_weight, groups_of, weight_param_specs
+from ascend_quant.schemes.weight_only import (
+    npu_dequantized_weight,
+    npu_weight_form,
+    npu_weight_matmul,
+)
 
 
 class _Int4Weights(LinearScheme):
@@ -81,7 +97,20 @@ class _Int4Weights(LinearScheme):
             if not bool(torch.isfinite(second).all()):
                 raise self.fail("weight_scale_second holds non-finite values")
             decoded.scale = decoded.scale * second
+        if npu.use_npu(self.name, decoded.q, self.backend):
+            return npu_weight_form(decoded.q, decoded.scale, None, 4, self.fail)
         return runtime_weight(decoded, 4)
+
+    def _npu_activations(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-token quantized activations, dequantized to ``rows``' dtype."""
+        if self.act_bits == 8:
+            xq, scale = dynamic_per_token_quant(rows, backend=NPU)
+        else:
+            _, qmax = int_range(self.act_bits)
+            scale = rows.float().abs().amax(-1) / qmax
+            xq = npu.quantize_rows(rows, torch.where(scale == 0, torch.ones_like(scale),
+                                                     scale))
+        return (xq.float() * scale.unsqueeze(-1)).to(rows.dtype)
 
     def _quantize_activations(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.act_bits == 8:
@@ -91,6 +120,10 @@ class _Int4Weights(LinearScheme):
     def apply(self, weights: Mapping[str, torch.Tensor], x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if "npu_weight" in weights:
+            npu.require_half(self.name, x)
+            y = npu_weight_matmul(weights, self._npu_activations(rows), bias)
+            return y.view(*x.shape[:-1], -1)
         xq, x_scale = self._quantize_activations(rows)
         q_kn = int_weight_kn(weights, input_size(weights))
         scale = weights["weight_scale"]
@@ -105,6 +138,8 @@ class _Int4Weights(LinearScheme):
         return y.view(*x.shape[:-1], -1)
 
     def dequantized_weight(self, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if "npu_weight" in weights:
+            return npu_dequantized_weight(weights)
         q_kn = int_weight_kn(weights, input_size(weights))
         return dequantize_kn(q_kn, weights["weight_scale"], None, torch.float32).t()
 

@@ -10,6 +10,12 @@ or int64 carrying the float32 bits for float16 models) and ``quant_bias`` (int32
 holds the layer's bias and the activation zero-point correction in accumulator units:
 ``y = (x_q @ W_q^T + quant_bias) * deq_scale``; the layer's float bias is folded in and
 not added again.
+
+On npu (``ascend_quant.schemes.npu``): W8A8 quantizes activations with ``npu_quantize``
+and multiplies with ``npu_quant_matmul`` taking the int32 bias (``quant_bias``, or the
+activation zero-point correction) and one float32 scale per channel; W8A8_DYNAMIC runs
+ascend-kernels' ops on their npu backends (``npu_dynamic_quant`` and ``npu_quant_matmul``
+with ``pertoken_scale``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from collections.abc import Mapping
 import torch
 
 from ascend_kernels import dynamic_per_token_quant, scaled_int8_mm
+from ascend_kernels.dispatch import NPU, torch_npu_module
 from ascend_quant.quantize import quantize_static
+from ascend_quant.schemes import npu
 from ascend_quant.schemes.base import (
     COMPRESSED_TENSORS,
     FLOATS,
@@ -105,6 +113,7 @@ class W8A8Static(LinearScheme):
                     else torch.zeros(1))
             q, scale_a, scale_b = decoded.q, act_scale, decoded.scale[:, 0]
             # Asymmetric activations: (x_q - z) @ W_q^T = x_q @ W_q^T - z * rowsum(W_q).
+            int_bias = -zero.to(torch.int64) * q.sum(1, dtype=torch.int64)
             bias = -zero * act_scale * scale_b * q.sum(1, dtype=torch.int64).float()
         else:
             q = loaded["weight"]
@@ -117,9 +126,13 @@ class W8A8Static(LinearScheme):
                                 "tensor-parallel ranks is not served: quant_bias holds the "
                                 "offset correction of the whole input")
             scale_a, scale_b = torch.ones(1), deq
+            int_bias = loaded["quant_bias"].to(torch.int64)
             bias = loaded["quant_bias"].double() * deq.double()
             if not placement.owns_bias:
                 bias = torch.zeros_like(bias)
+                int_bias = torch.zeros_like(int_bias)
+        if npu.use_npu("W8A8 static", q, self.backend):
+            return self._npu_form(q, act_scale, zero, (scale_a * scale_b).float(), int_bias)
         return {
             "qweight": q.t().contiguous(),
             "act_scale": act_scale,
@@ -129,8 +142,39 @@ class W8A8Static(LinearScheme):
             "bias": bias.float(),
         }
 
+    def _npu_form(self, q: torch.Tensor, act_scale: torch.Tensor, zero: torch.Tensor,
+                  deq_scale: torch.Tensor, int_bias: torch.Tensor) -> dict[str, torch.Tensor]:
+        """npu_quantize's scale and zero point, npu_quant_matmul's weight [K, N], float32
+        per-channel scale and int32 bias: ``(x_q @ W_q + int_bias) * deq_scale``."""
+        npu.check_inner(self.fail, q.shape[1], q.shape[0])
+        if int_bias.numel() and int(int_bias.abs().max()) >= 1 << 31:
+            raise self.fail("the int32 bias of npu_quant_matmul overflows: "
+                            f"max |bias| = {int(int_bias.abs().max())}")
+        form = {
+            "npu_qweight": q.t().contiguous(),
+            "act_scale": act_scale.float(),
+            "npu_deq_scale": deq_scale.reshape(-1).contiguous(),
+            "npu_int_bias": int_bias.to(torch.int32).contiguous(),
+        }
+        if bool(zero != 0):
+            form["npu_act_zero"] = zero.round().to(torch.int32).reshape(1)
+        return form
+
+    def _apply_npu(self, weights: Mapping[str, torch.Tensor], x: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        npu.require_half(self.name, x)
+        xq = npu.quantize_static(_rows(x), weights["act_scale"], weights.get("npu_act_zero"))
+        y = torch_npu_module().npu_quant_matmul(
+            xq, weights["npu_qweight"], weights["npu_deq_scale"],
+            bias=weights["npu_int_bias"], output_dtype=x.dtype)
+        if bias is not None and not self.folds_layer_bias:
+            y = y + bias.to(x.dtype)
+        return y.view(*x.shape[:-1], -1)
+
     def apply(self, weights: Mapping[str, torch.Tensor], x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if "npu_qweight" in weights:
+            return self._apply_npu(weights, x, bias)
         rows = _rows(x)
         zero = weights["act_zero"]
         xq = quantize_static(rows, weights["act_scale"], zero if bool(zero != 0) else None)
@@ -142,6 +186,9 @@ class W8A8Static(LinearScheme):
         return y.view(*x.shape[:-1], -1)
 
     def dequantized_weight(self, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if "npu_qweight" in weights:
+            per_row = weights["npu_deq_scale"] / weights["act_scale"]
+            return weights["npu_qweight"].t().float() * per_row.unsqueeze(1)
         per_row = weights["scale_a"] * weights["scale_b"] / weights["act_scale"]
         return weights["qweight"].t().float() * per_row.unsqueeze(1)
 
@@ -165,15 +212,28 @@ class W8A8Dynamic(LinearScheme):
         if decoded.zero is not None:
             raise self.fail("non-zero weight offsets (asymmetric weights) are not served "
                             "with per-token int8 activations")
+        if npu.use_npu("W8A8 dynamic", decoded.q, self.backend):
+            npu.check_inner(self.fail, decoded.q.shape[1], decoded.q.shape[0])
+            return {"npu_qweight": decoded.q.t().contiguous(),
+                    "npu_weight_scale": decoded.scale[:, 0].contiguous()}
         return {"qweight": decoded.q.t().contiguous(),
                 "weight_scale": decoded.scale[:, 0].contiguous()}
 
     def apply(self, weights: Mapping[str, torch.Tensor], x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if "npu_qweight" in weights:
+            # ascend-kernels' npu backends: npu_dynamic_quant, npu_quant_matmul.
+            npu.require_half(self.name, x)
+            xq, x_scale = dynamic_per_token_quant(_rows(x), backend=NPU)
+            y = scaled_int8_mm(xq, weights["npu_qweight"], x_scale,
+                               weights["npu_weight_scale"], x.dtype, bias, backend=NPU)
+            return y.view(*x.shape[:-1], -1)
         xq, x_scale = dynamic_per_token_quant(_rows(x))
         y = scaled_int8_mm(xq, weights["qweight"], x_scale, weights["weight_scale"], x.dtype,
                            bias)
         return y.view(*x.shape[:-1], -1)
 
     def dequantized_weight(self, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if "npu_qweight" in weights:
+            return weights["npu_qweight"].t().float() * weights["npu_weight_scale"].unsqueeze(1)
         return weights["qweight"].t().float() * weights["weight_scale"].unsqueeze(1)

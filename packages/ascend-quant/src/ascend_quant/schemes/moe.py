@@ -10,8 +10,12 @@ parameter per checkpoint tensor name (``w13_weight_scale``...).
 are quantized per token, multiplied by ``w13[e]`` (exact int32 accumulation), passed
 through SiLU-and-mul, quantized again and multiplied by ``w2[e]``; outputs are weighted
 by the router and summed per token. Ops come from ascend-kernels
-(``dynamic_per_token_quant``, ``scaled_int8_mm``, ``silu_and_mul``); on npu, torch_npu's
-grouped matmul replaces the loop.
+(``dynamic_per_token_quant``, ``scaled_int8_mm``, ``silu_and_mul``).
+
+On npu (``ascend_quant.schemes.npu``) the routed rows are sorted by expert once and each
+projection is one ``npu_grouped_matmul`` over all experts (int8 x int8 with per-channel
+``scale`` and ``per_token_scale``, ``group_list`` the tokens per expert), with
+``npu_dynamic_quant`` and ``npu_swiglu`` (ascend-kernels' npu backends) between them.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import ClassVar
 import torch
 
 from ascend_kernels import dynamic_per_token_quant, scaled_int8_mm, silu_and_mul
+from ascend_kernels.dispatch import NPU
 from ascend_quant.errors import QuantConfigError
+from ascend_quant.schemes import npu
 from ascend_quant.schemes.base import COMPRESSED_TENSORS, ParamSpec, SchemeOptions
 from ascend_quant.schemes.stored import weight_param_specs
 
@@ -37,9 +43,13 @@ class MoEScheme(ABC):
     summary: ClassVar[str]
     activations: ClassVar[tuple[str, ...]] = ("silu",)
 
-    def __init__(self, options: SchemeOptions, layer_name: str = "") -> None:
+    def __init__(self, options: SchemeOptions, layer_name: str = "", *,
+                 backend: str | None = None) -> None:
         self.options = options
         self.layer_name = layer_name
+        #: None: the npu form for weights on an npu device (with torch_npu), else the host
+        #: form; "npu" / "reference" force one (see ``ascend_quant.schemes.npu``).
+        self.backend = backend
         self.validate_options()
 
     @property
@@ -71,6 +81,8 @@ class MoEScheme(ABC):
     @abstractmethod
     def dequantized_weights(self, weights: Mapping[str, torch.Tensor]
                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        if f"npu_{W13}" in weights:
+            weights = {name[len("npu_"):]: t for name, t in weights.items()}
         """float32 ``w13`` [E, 2I, H] and ``w2`` [E, H, I] (for references)."""
 
 
@@ -120,10 +132,44 @@ class MoEW8A8Dynamic(MoEScheme):
                                 "weights) are not served")
             runtime[which] = q.transpose(1, 2).contiguous()
             runtime[f"{which}_scale"] = scale.contiguous()
+        if npu.use_npu("MoE W8A8 dynamic", runtime[W13], self.backend):
+            for which in (W13, W2):
+                _, k, n = runtime[which].shape
+                npu.check_inner(self.fail, k, n)
+            return {f"npu_{name}": tensor for name, tensor in runtime.items()}
         return runtime
+
+    def _apply_npu(self, weights: Mapping[str, torch.Tensor], x: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        npu.require_half(f"{self.name} experts", x)
+        w13, w2 = weights[f"npu_{W13}"], weights[f"npu_{W2}"]
+        experts = w13.shape[0]
+        tokens = torch.arange(topk_ids.shape[0], device=x.device)
+        tokens = tokens.repeat_interleave(topk_ids.shape[1])
+        ids = topk_ids.reshape(-1).long()
+        gates = topk_weights.reshape(-1)
+        local = (ids >= 0) & (ids < experts)
+        ids, tokens, gates = ids[local], tokens[local], gates[local]
+        order = torch.argsort(ids, stable=True)
+        ids, tokens, gates = ids[order], tokens[order], gates[order]
+        out = torch.zeros(x.shape[0], w2.shape[2], dtype=torch.float32, device=x.device)
+        if ids.numel() == 0:
+            return out.to(x.dtype)
+        counts = torch.bincount(ids, minlength=experts).to(torch.int64)
+        xq, x_scale = dynamic_per_token_quant(x[tokens].contiguous(), backend=NPU)
+        h = npu.grouped_int8_matmul(xq, w13, weights[f"npu_{W13}_scale"], x_scale, counts,
+                                    x.dtype)
+        a = silu_and_mul(h, backend=NPU)
+        aq, a_scale = dynamic_per_token_quant(a, backend=NPU)
+        y = npu.grouped_int8_matmul(aq, w2, weights[f"npu_{W2}_scale"], a_scale, counts,
+                                    x.dtype)
+        out.index_add_(0, tokens, y.float() * gates.float().unsqueeze(-1))
+        return out.to(x.dtype)
 
     def apply(self, weights: Mapping[str, torch.Tensor], x: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if f"npu_{W13}" in weights:
+            return self._apply_npu(weights, x, topk_weights, topk_ids)
         w13, w2 = weights[W13], weights[W2]
         out = torch.zeros(x.shape[0], w2.shape[2], dtype=torch.float32, device=x.device)
         for expert, tokens, gate in route(topk_ids, topk_weights, w13.shape[0]):
@@ -139,6 +185,8 @@ class MoEW8A8Dynamic(MoEScheme):
 
     def dequantized_weights(self, weights: Mapping[str, torch.Tensor]
                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        if f"npu_{W13}" in weights:
+            weights = {name[len("npu_"):]: t for name, t in weights.items()}
         w13 = weights[W13].transpose(1, 2).float() * weights["w13_scale"].unsqueeze(-1)
         w2 = weights[W2].transpose(1, 2).float() * weights["w2_scale"].unsqueeze(-1)
         return w13, w2
