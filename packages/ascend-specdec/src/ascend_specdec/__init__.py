@@ -15,6 +15,12 @@ def register() -> None:
     from ascend_specdec.medusa import medusa_proposer_factory
 
     SPECULATIVE_PROPOSERS.register("medusa", medusa_proposer_factory)
+    from ascend_specdec.ngram import ngram_proposer_factory
+    from ascend_specdec.suffix import suffix_proposer_factory
+
+    SPECULATIVE_PROPOSERS.register("ngram", ngram_proposer_factory)
+    SPECULATIVE_PROPOSERS.register("suffix", suffix_proposer_factory)
+    _accept_suffix_method()
     from ascend_specdec.eagle import EAGLE_METHODS, eagle_proposer_factory
 
     for method in EAGLE_METHODS:
@@ -28,3 +34,16 @@ def _register_rejection_sampler() -> None:
     from ascend_specdec.rejection import rejection_sampler_factory
 
     REJECTION_SAMPLERS.register("ascend", rejection_sampler_factory)
+
+
+def _accept_suffix_method() -> None:
+    """vLLM refuses method "suffix" without arctic-inference while it builds its config; let it
+    through where our platform serves it (see ascend_specdec.vllm.suffix_config). Only when
+    vLLM is already loaded (it is, when it runs its plugins): register() itself imports no vLLM.
+    """
+    import sys
+
+    if "vllm.config" in sys.modules:
+        from ascend_specdec.vllm.suffix_config import accept_suffix_without_arctic_inference
+
+        accept_suffix_without_arctic_inference()

@@ -8,7 +8,10 @@ rejection sampler: the registered "ascend" one replaces vLLM's when there is one
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ascend_core.registry import REJECTION_SAMPLERS, SPECULATIVE_PROPOSERS
@@ -17,6 +20,44 @@ logger = logging.getLogger(__name__)
 
 # The REJECTION_SAMPLERS entry the model runners use.
 REJECTION_SAMPLER_NAME = "ascend"
+
+
+# Where vLLM's model runner looks up the proposer class it builds for a method, while it is
+# being built. For a registered method that proposer is replaced straight after, and building it
+# costs (n-gram: a numba JIT warm-up) or fails (suffix: vLLM's needs arctic-inference).
+_VLLM_PROPOSER_LOOKUPS = {
+    "ngram": ("vllm.v1.spec_decode.ngram_proposer", "NgramProposer"),
+    "suffix": ("vllm.v1.worker.gpu_model_runner", "SuffixDecodingProposer"),
+}
+
+
+class PendingProposer:
+    """Stands in for vLLM's proposer until install_registered_proposer replaces it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@contextmanager
+def vllm_proposer_deferred(vllm_config: Any) -> Iterator[None]:
+    """While vLLM's runner ``__init__`` runs, skip building its proposer for a method that has
+    a registered one (only the methods of ``_VLLM_PROPOSER_LOOKUPS``; others are cheap)."""
+    spec_config = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec_config, "method", None)
+    lookup = _VLLM_PROPOSER_LOOKUPS.get(method)
+    if lookup is None or SPECULATIVE_PROPOSERS.find(method) is None:
+        yield
+        return
+    module = importlib.import_module(lookup[0])
+    original = getattr(module, lookup[1])
+    setattr(module, lookup[1], PendingProposer)
+    try:
+        yield
+    finally:
+        setattr(module, lookup[1], original)
 
 
 def create_registered_proposer(vllm_config: Any, device: Any, runner: Any) -> Any | None:
