@@ -40,7 +40,8 @@ def row_launch(cols: int, elements_per_warp: int = 512, max_warps: int = 16) -> 
     program so that each program still moves a useful amount of data.
 
     Warps grow with the row so that each thread keeps ``elements_per_warp / 32`` values:
-    the norms (512: 8 warps at 4096, 16 at 8192) and the quant kernels (1024, at most 8:
+    the norms (512: 8 warps at 4096, 16 at 8192; with a residual 256, up to 32
+    warps) and the quant kernels (1024, at most 8:
     their extra arithmetic per value pays for fewer, busier threads) were tuned on an H200
     (benchmarks/bench_kernels_gpu.py); triton-ascend ignores ``num_warps``.
     """
