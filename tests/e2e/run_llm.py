@@ -3,7 +3,8 @@
 vLLM resolves its platform once per process, so comparing the plugin with stock
 vLLM needs one process per configuration. Usage:
 
-    python run_llm.py '{"model": "...", "prompts": [...], "max_tokens": 16, "llm": {...}}'
+    python run_llm.py '{"model": "...", "prompts": [...], "max_tokens": 16, "llm": {...},
+                        "sampling": {...}}'
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ def probe_worker(worker) -> dict:
         # Counters our proposers keep of their own steps (AscendEagleProposer), if any.
         "drafter_counters": dict(getattr(getattr(runner, "drafter", None), "ascend_counters",
                                          None) or {}),
+        "rejection_sampler_source": getattr(runner, "rejection_sampler_source", None),
+        "rejection_sampler": type(getattr(runner, "rejection_sampler", None)).__name__,
+        "rejection_sampler_calls": getattr(getattr(runner, "rejection_sampler", None),
+                                           "num_calls", None),
         "layer_classes": sorted({type(m).__name__ for m in modules
                                  if type(m).__name__.startswith(("Ascend", "RMSNorm",
                                                                  "SiluAndMul"))}),
@@ -60,18 +65,25 @@ def main() -> None:
                       gpu_memory_utilization=0.05, seed=0)
     llm_kwargs.update(args.get("llm", {}))
     llm = LLM(model=args["model"], **llm_kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=args.get("max_tokens", 16),
-                            ignore_eos=True)
+    # "sampling" overrides these SamplingParams (e.g. {"temperature": 0.8, "seed": 7}).
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": args.get("max_tokens", 16),
+                               "ignore_eos": True, **args.get("sampling", {})})
     outputs = llm.generate(args["prompts"], params, use_tqdm=False)
     result = {
         "platform": type(current_platform).__module__ + "." + type(current_platform).__name__,
         "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
         "texts": [out.outputs[0].text for out in outputs],
+        "prompt_token_ids": [list(out.prompt_token_ids) for out in outputs],
         "workers": llm.collective_rpc(probe_worker),
     }
     metrics = spec_decode_metrics(llm)
     if metrics:
         result["metrics"] = metrics
+    if args.get("acceptance_summary"):
+        # ascend_specdec's helper applied to LLM.get_metrics() itself, in this process.
+        from ascend_specdec.metrics import acceptance_summary
+
+        result["acceptance_summary"] = acceptance_summary(llm.get_metrics())
     print("RESULT " + json.dumps(result), flush=True)
 
 
