@@ -32,7 +32,8 @@ Memory is accounted by a modelled caching allocator that tests drive through
 Modelled: ``torch.npu`` device selection, properties, memory statistics, streams, events
 and seeding; ``torch_npu.npu_rms_norm`` and ``torch_npu.npu_swiglu``; the norm, quant and
 rotary ops of ``_ops_norm_quant``, the routing ops of ``_ops_routing`` and the weight
-quantization and grouped-matmul ops of ``_ops_quant``. Not modelled: tensors
+quantization and grouped-matmul ops of ``_ops_quant``; the paged KV-cache write and fused
+inference attention of ``_ops_attention``. Not modelled: tensors
 on the npu device, NPU graphs, profiling, formats (``npu_format_cast``), every other fused
 op; those names are absent, so their use fails. The exception is a name that libraries
 import eagerly when torch_npu is importable (transformers imports ``npu_fusion_attention``):
@@ -41,6 +42,7 @@ it exists and raises ``NotImplementedError`` when called (``torch_npu._unmodelle
 
 from torch_npu import _reference, npu  # noqa: F401 - _reference: test controls
 from torch_npu._ops import npu_rms_norm, npu_swiglu
+from torch_npu._ops_attention import npu_fused_infer_attention_score, npu_scatter_pa_kv_cache
 from torch_npu._ops_norm_quant import (
     npu_add_rms_norm,
     npu_add_rms_norm_dynamic_quant,
@@ -73,4 +75,5 @@ __all__ = ["npu", "npu_fusion_attention", "npu_rms_norm", "npu_swiglu",
            "npu_apply_rotary_pos_emb", "npu_dynamic_quant", "npu_quant_matmul", "npu_rotary_mul",
            "npu_moe_gating_top_k", "npu_moe_gating_top_k_softmax", "npu_top_k_top_p",
            "npu_convert_weight_to_int4pack", "npu_grouped_matmul", "npu_quantize",
-           "npu_weight_quant_batchmatmul"]
+           "npu_weight_quant_batchmatmul", "npu_fused_infer_attention_score",
+           "npu_scatter_pa_kv_cache"]

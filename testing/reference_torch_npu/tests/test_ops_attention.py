@@ -1,0 +1,251 @@
+"""The reference's paged KV-cache write and fused inference attention against plain torch
+attention (``scaled_dot_product_attention`` over the unpaged keys) and the argument rules
+of their torch_npu documentation pages."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REFERENCE_PATH = str(Path(__file__).resolve().parents[1])
+HALF = [torch.float16, torch.bfloat16]
+TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+CAUSAL_MASK = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+
+
+@pytest.fixture(scope="module")
+def torch_npu():
+    sys.path.insert(0, REFERENCE_PATH)
+    importlib.invalidate_caches()
+    module = importlib.import_module("torch_npu")
+    yield module
+    if "torch_npu" in sys.modules:
+        importlib.import_module("torch_npu._reference").uninstall()
+    sys.path.remove(REFERENCE_PATH)
+
+
+# --- npu_scatter_pa_kv_cache --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_scatter_writes_each_token_at_its_slot(torch_npu, slot_dtype):
+    torch.manual_seed(0)
+    blocks, block_size, heads, dim = 4, 16, 2, 32
+    key = torch.randn(10, heads, dim, dtype=torch.float16)
+    value = torch.randn(10, heads, dim, dtype=torch.float16)
+    key_cache = torch.zeros(blocks, block_size, heads, dim, dtype=torch.float16)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(blocks * block_size)[:10].to(slot_dtype)
+    assert torch_npu.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slots,
+                                             cache_mode="Norm") is None
+    for t, slot in enumerate(slots.tolist()):
+        torch.testing.assert_close(key_cache[slot // block_size, slot % block_size], key[t])
+        torch.testing.assert_close(value_cache[slot // block_size, slot % block_size],
+                                   value[t])
+    written = torch.zeros(blocks * block_size, dtype=torch.bool)
+    written[slots.long()] = True
+    assert not key_cache.view(-1, heads, dim)[~written].any()
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"cache_mode": "PA_NZ"}, NotImplementedError, "NZ-format"),
+    ({}, NotImplementedError, "cache_mode='PA_NZ'"),
+    ({"cache_mode": "Norm", "seq_lens": torch.ones(1, dtype=torch.int32)},
+     NotImplementedError, "seq_lens"),
+    ({"cache_mode": "ND"}, ValueError, "allows None, 'Norm' or 'PA_NZ'"),
+])
+def test_scatter_refuses_unmodelled_modes(torch_npu, kwargs, error, match):
+    key = torch.ones(2, 1, 16, dtype=torch.float16)
+    cache = torch.zeros(1, 16, 1, 16, dtype=torch.float16)
+    with pytest.raises(error, match=match):
+        torch_npu.npu_scatter_pa_kv_cache(key, key, cache, cache.clone(),
+                                          torch.tensor([0, 1]), **kwargs)
+
+
+@pytest.mark.parametrize(("slots", "cache_dtype", "match"), [
+    (torch.tensor([0, -1]), torch.float16, r"values in \[-1, 0\]"),
+    (torch.tensor([0, 32]), torch.float16, r"\[0, 31\]"),
+    (torch.tensor([3, 3]), torch.float16, "duplicate"),
+    (torch.tensor([0, 1, 2]), torch.float16, "one slot per token"),
+    (torch.tensor([0.0, 1.0]), torch.float16, "int32 or int64"),
+    (torch.tensor([0, 1]), torch.bfloat16, "identical dtypes"),
+])
+def test_scatter_rejects_bad_slots_and_dtypes(torch_npu, slots, cache_dtype, match):
+    key = torch.ones(2, 1, 16, dtype=torch.float16)
+    cache = torch.zeros(2, 16, 1, 16, dtype=cache_dtype)
+    with pytest.raises((ValueError, TypeError), match=match):
+        torch_npu.npu_scatter_pa_kv_cache(key, key, cache, cache.clone(), slots,
+                                          cache_mode="Norm")
+
+
+def test_scatter_rejects_cache_of_wrong_head_shape(torch_npu):
+    key = torch.ones(2, 2, 16, dtype=torch.float16)
+    cache = torch.zeros(2, 16, 1, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"\[num_blocks, block_size, 2, 16\]"):
+        torch_npu.npu_scatter_pa_kv_cache(key, key, cache, cache.clone(),
+                                          torch.tensor([0, 1]), cache_mode="Norm")
+
+
+# --- npu_fused_infer_attention_score ------------------------------------------------------
+
+
+def _paged(sequences, block_size, num_blocks, generator):
+    """Each [len, KVH, D] sequence scattered into shuffled blocks of a (num_blocks,
+    block_size, KVH*D) cache; returns (cache, int32 block table)."""
+    kv_heads, dim = sequences[0].shape[1:]
+    cache = torch.randn(num_blocks, block_size, kv_heads * dim, generator=generator)
+    cache = cache.to(sequences[0].dtype)
+    width = max(-(-s.shape[0] // block_size) for s in sequences)
+    order = torch.randperm(num_blocks, generator=generator)
+    table = torch.zeros(len(sequences), width, dtype=torch.int32)
+    used = 0
+    for b, seq in enumerate(sequences):
+        count = -(-seq.shape[0] // block_size)
+        table[b, :count] = order[used:used + count].int()
+        used += count
+        flat = cache[table[b, :count].long()].reshape(-1, kv_heads, dim)
+        flat[:seq.shape[0]] = seq
+        cache[table[b, :count].long()] = flat.reshape(count, block_size, -1)
+    return cache, table
+
+
+def _sdpa(q, k, v, scale, causal_offset):
+    """Plain attention for one batch: q [q, N, D], k/v [k, KVH, D]; query row i sees keys
+    j <= i + causal_offset (None: all)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    mask = None
+    if causal_offset is not None:
+        rows = torch.arange(q.shape[0]).unsqueeze(1)
+        mask = torch.arange(k.shape[0]).unsqueeze(0) <= rows + causal_offset
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.transpose(0, 1),
+                                         v.transpose(0, 1), attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("layout", ["BSND", "BSH"])
+def test_causal_paged_prefill_matches_plain_attention(torch_npu, dtype, layout):
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, block_size = 4, 2, 32, 128
+    q_lens, kv_lens = [5, 130, 1], [5, 300, 40]   # fresh prompt, chunk on context, decode
+    q_s = max(q_lens)
+    keys = [torch.randn(n, kv_heads, dim, generator=gen).to(dtype) for n in kv_lens]
+    values = [torch.randn(n, kv_heads, dim, generator=gen).to(dtype) for n in kv_lens]
+    key_cache, table = _paged(keys, block_size, 8, gen)
+    value_cache = torch.zeros_like(key_cache)      # the same blocks, through key's table
+    for b, seq in enumerate(values):
+        count = -(-seq.shape[0] // block_size)
+        flat = torch.zeros(count * block_size, kv_heads, dim, dtype=dtype)
+        flat[:seq.shape[0]] = seq
+        value_cache[table[b, :count].long()] = flat.reshape(count, block_size, -1)
+    query = torch.randn(len(q_lens), q_s, heads, dim, generator=gen).to(dtype)
+    scale = dim ** -0.5
+    out, lse = torch_npu.npu_fused_infer_attention_score(
+        query if layout == "BSND" else query.reshape(len(q_lens), q_s, heads * dim),
+        key_cache, value_cache, atten_mask=CAUSAL_MASK.to(torch.int8),
+        actual_seq_lengths=q_lens, actual_seq_lengths_kv=kv_lens, block_table=table,
+        block_size=block_size, num_heads=heads, num_key_value_heads=kv_heads, scale=scale,
+        input_layout=layout, sparse_mode=3, softmax_lse_flag=True)
+    out = out.reshape(len(q_lens), q_s, heads, dim)
+    assert out.dtype == dtype
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        expected = _sdpa(query[b, :q_len], keys[b], values[b], scale, kv_len - q_len)
+        torch.testing.assert_close(out[b, :q_len].float(), expected, atol=TOL[dtype],
+                                   rtol=TOL[dtype])
+        assert not out[b, q_len:].any()            # padding rows
+        group = heads // kv_heads
+        k = keys[b].float().repeat_interleave(group, dim=1)
+        scores = scale * torch.einsum("qnd,knd->nqk", query[b, :q_len].float(), k)
+        allowed = (torch.arange(kv_len).unsqueeze(0)
+                   <= torch.arange(q_len).unsqueeze(1) + kv_len - q_len)
+        expected_lse = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), -1)
+        torch.testing.assert_close(lse[b, :, :q_len, 0], expected_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_decode_sees_every_cached_key(torch_npu, dtype):
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, block_size = 8, 1, 64, 16
+    kv_lens = [1, 17, 48]
+    keys = [torch.randn(n, kv_heads, dim, generator=gen).to(dtype) for n in kv_lens]
+    key_cache, table = _paged(keys, block_size, 6, gen)
+    query = torch.randn(3, 1, heads, dim, generator=gen).to(dtype)
+    out, lse = torch_npu.npu_fused_infer_attention_score(
+        query, key_cache, key_cache, actual_seq_lengths_kv=kv_lens, block_table=table,
+        block_size=block_size, num_heads=heads, num_key_value_heads=kv_heads, scale=0.3,
+        input_layout="BSND", sparse_mode=3)
+    assert lse.shape == (1,) and not lse.any()
+    for b in range(3):
+        expected = _sdpa(query[b], keys[b], keys[b], 0.3, None)
+        torch.testing.assert_close(out[b].float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_sparse_mode_zero_attends_without_mask(torch_npu):
+    gen = torch.Generator().manual_seed(3)
+    keys = [torch.randn(6, 1, 16, generator=gen).half()]
+    cache, table = _paged(keys, 128, 1, gen)
+    query = torch.randn(1, 6, 2, 16, generator=gen).half()
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        query, cache, cache, actual_seq_lengths=[6], actual_seq_lengths_kv=[6],
+        block_table=table, block_size=128, num_heads=2, num_key_value_heads=1,
+        input_layout="BSND", sparse_mode=0)
+    expected = _sdpa(query[0], keys[0], keys[0], 1.0, None)
+    torch.testing.assert_close(out[0].float(), expected, atol=2e-3, rtol=2e-3)
+
+
+def _call(torch_npu, **overrides):
+    cache = torch.zeros(2, 128, 32, dtype=torch.float16)
+    kwargs = dict(query=torch.zeros(1, 2, 2, 16, dtype=torch.float16), key=cache,
+                  value=cache, atten_mask=CAUSAL_MASK, actual_seq_lengths=[2],
+                  actual_seq_lengths_kv=[2], block_table=torch.zeros(1, 1, dtype=torch.int32),
+                  block_size=128, num_heads=2, num_key_value_heads=2, input_layout="BSND",
+                  sparse_mode=3)
+    kwargs.update(overrides)
+    return torch_npu.npu_fused_infer_attention_score(**kwargs)
+
+
+def test_well_formed_call_succeeds(torch_npu):
+    out, _ = _call(torch_npu)
+    assert out.shape == (1, 2, 2, 16)
+
+
+@pytest.mark.parametrize(("overrides", "error", "match"), [
+    ({"query_rope": torch.zeros(1)}, NotImplementedError, "query_rope is not modelled"),
+    ({"antiquant_scale": torch.zeros(1)}, NotImplementedError, "antiquant_scale"),
+    ({"input_layout": "TND"}, NotImplementedError, "TND"),
+    ({"input_layout": "BNSD"}, NotImplementedError, "'BNSD' is not modelled"),
+    ({"block_table": None}, NotImplementedError, "no block_table"),
+    ({"sparse_mode": 2}, NotImplementedError, "sparse_mode=2 is not modelled"),
+    ({"sparse_mode": 7}, ValueError, "allows 0 to 4"),
+    ({"sparse_mode": 0}, NotImplementedError, "full atten_mask"),
+    ({"atten_mask": None}, ValueError, "needs the compressed"),
+    ({"atten_mask": CAUSAL_MASK[:1024, :1024]}, ValueError, "compressed"),
+    ({"atten_mask": ~CAUSAL_MASK}, ValueError, "not the compressed causal mask"),
+    ({"query": torch.zeros(1, 2, 2, 16)}, TypeError, "float16 and bfloat16"),
+    ({"key": torch.zeros(2, 128, 32, dtype=torch.int8)}, NotImplementedError, "int8"),
+    ({"query": torch.zeros(1, 2, 2, 24, dtype=torch.float16)}, ValueError, "multiple of 16"),
+    ({"block_size": 64}, ValueError, "128 to 512"),
+    ({"num_key_value_heads": 3}, ValueError, "multiple of num_key_value_heads"),
+    ({"actual_seq_lengths_kv": None}, ValueError, "needs actual_seq_lengths_kv"),
+    ({"actual_seq_lengths": [3]}, ValueError, r"actual_seq_lengths\[0\] = 3"),
+    ({"actual_seq_lengths_kv": [200]}, ValueError, "needs 2 blocks"),
+    ({"actual_seq_lengths": [2], "actual_seq_lengths_kv": [1]}, ValueError, "no key"),
+    ({"block_table": torch.zeros(1, 1, dtype=torch.int64)}, ValueError, "int32"),
+    ({"block_table": torch.full((1, 1), 5, dtype=torch.int32)}, ValueError, "outside"),
+    ({"antiquant_mode": 1}, NotImplementedError, "antiquant_mode=1"),
+])
+def test_fused_attention_refuses_what_it_does_not_model(torch_npu, overrides, error, match):
+    with pytest.raises(error, match=match):
+        _call(torch_npu, **overrides)
+
+
+def test_decode_with_mask_is_not_modelled(torch_npu):
+    with pytest.raises(NotImplementedError, match="Q_S = 1"):
+        _call(torch_npu, query=torch.zeros(1, 1, 2, 16, dtype=torch.float16))

@@ -1,0 +1,411 @@
+"""torch_npu's paged KV-cache write and fused inference attention, on CPU tensors.
+
+The same rules as ``torch_npu._ops``: each function follows its Ascend/op-plugin
+``docs/context/`` page (argument names, shapes, dtype rules; the Atlas A2/A3 rows, the
+modelled machine being an Ascend 910B), raises ``TypeError``/``ValueError`` on what the
+page rules out and ``NotImplementedError`` on what it documents but the reference does not
+model. Attention is computed in float32 and cast once to the query's dtype.
+
+Modelled forms:
+
+- ``npu_scatter_pa_kv_cache`` with ``cache_mode="Norm"``: 3-D ``key``/``value`` of
+  ``[tokens, num_head, head_size]`` scattered by ``slot_mapping`` into ND caches of
+  ``[num_blocks, block_size, num_head, head_size]``.
+- ``npu_fused_infer_attention_score`` with page attention (``block_table`` and
+  ``block_size``; the caches as ``(num_blocks, block_size, H)``) for ``input_layout``
+  ``"BSND"`` or ``"BSH"``; per-batch ``actual_seq_lengths`` / ``actual_seq_lengths_kv``;
+  GQA through ``num_key_value_heads``; ``sparse_mode`` 0 without a mask (Q_S = 1, or
+  no masking) or 3 (rightDownCausal) with the compressed 2048 x 2048 causal mask;
+  optionally the softmax log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torch_npu._ops import _require_tensor
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_INT_MAX = 2147483647
+_COMPRESSED_MASK_SIDE = 2048
+_MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+
+
+def _require_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} is not contiguous; the page rules out non-contiguous "
+                         "tensors.")
+
+
+def _require_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+    return value
+
+
+# --- npu_scatter_pa_kv_cache --------------------------------------------------------------
+
+
+def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
+                            compress_lens=None, compress_seq_offsets=None, seq_lens=None,
+                            cache_mode="PA_NZ"):
+    """``torch_npu.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping,
+    *, compress_lens=None, compress_seq_offsets=None, seq_lens=None, cache_mode='PA_NZ')``.
+
+    Follows Ascend/op-plugin ``docs/context/torch_npu-npu_scatter_pa_kv_cache.md`` and, for
+    the ND ("Norm") cache shapes that page names only through ``cache_mode``, the
+    aclnnScatterPaKvCache page of CANN's ops-transformer (its "Norm" scenario):
+
+    - ``key``: ``[tokens, num_head, k_head_size]``; ``value``: ``[tokens, num_head,
+      v_head_size]`` of ``key``'s dtype; contiguous.
+    - ``key_cache``: ``[num_blocks, block_size, num_head, k_head_size]``, ``value_cache``:
+      ``[num_blocks, block_size, num_head, v_head_size]``, the dtype of ``key``.
+    - ``slot_mapping``: int32 or int64, ``[tokens]``, values in ``[0, num_blocks *
+      block_size - 1]`` and unique (the page does not guarantee duplicates).
+    - ``cache_mode``: ``"Norm"`` (or None). ``"PA_NZ"``, the default, is the NZ format
+      (``npu_format_cast`` caches), which the reference does not model; neither does it
+      model the compression arguments (4-D keys).
+
+    Token ``t`` goes to block ``slot // block_size`` at offset ``slot % block_size``.
+    Updates the caches in place and returns None.
+    """
+    if cache_mode not in (None, "Norm"):
+        if cache_mode == "PA_NZ":
+            raise NotImplementedError(
+                "cache_mode='PA_NZ' (the default) scatters into NZ-format caches, which the "
+                "reference torch_npu does not model; pass cache_mode='Norm' with ND caches "
+                "of [num_blocks, block_size, num_head, head_size].")
+        raise ValueError(f"cache_mode={cache_mode!r}: the page allows None, 'Norm' or "
+                         "'PA_NZ'.")
+    for name, extra in (("compress_lens", compress_lens),
+                        ("compress_seq_offsets", compress_seq_offsets),
+                        ("seq_lens", seq_lens)):
+        if extra is not None:
+            raise NotImplementedError(f"{name} (the compressing 4-D scenario) is not modelled "
+                                      "by the reference torch_npu.")
+    for name, tensor in (("key", key), ("value", value), ("key_cache", key_cache),
+                         ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
+        _require_tensor(name, tensor)
+        _require_contiguous(name, tensor)
+    if key.dim() != 3 or value.dim() != 3:
+        raise ValueError(f"key and value must be 3-D [tokens, num_head, head_size] in the "
+                         f"modelled scenario, got {tuple(key.shape)} and "
+                         f"{tuple(value.shape)}.")
+    if key.shape[:2] != value.shape[:2]:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree "
+                         "in their first two dims.")
+    for name, tensor in (("value", value), ("key_cache", key_cache),
+                         ("value_cache", value_cache)):
+        if tensor.dtype != key.dtype:
+            raise TypeError(f"{name} has dtype {tensor.dtype} but key has {key.dtype}; the "
+                            "page requires identical dtypes.")
+    for name, cache, source in (("key_cache", key_cache, key),
+                                ("value_cache", value_cache, value)):
+        if cache.dim() != 4 or cache.shape[2:] != source.shape[1:]:
+            raise ValueError(f"{name} has shape {tuple(cache.shape)}; with cache_mode='Norm' "
+                             "it must be [num_blocks, block_size, "
+                             f"{source.shape[1]}, {source.shape[2]}].")
+    if key_cache.shape[:2] != value_cache.shape[:2]:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache "
+                         f"{tuple(value_cache.shape)} must have equal num_blocks and "
+                         "block_size.")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping has dtype {slot_mapping.dtype}; it must be int32 or "
+                        "int64.")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}; it must be "
+                         f"({key.shape[0]},), one slot per token of key.")
+    num_blocks, block_size = key_cache.shape[:2]
+    slots = slot_mapping.long()
+    if slots.numel():
+        low, high = int(slots.min()), int(slots.max())
+        if low < 0 or high >= num_blocks * block_size:
+            raise ValueError(f"slot_mapping holds values in [{low}, {high}]; they must lie in "
+                             f"[0, {num_blocks * block_size - 1}] (num_blocks * block_size - "
+                             "1). Drop padding tokens before the call.")
+        if slots.unique().numel() != slots.numel():
+            raise ValueError("slot_mapping holds duplicate slots; the page requires unique "
+                             "values.")
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value
+    return None
+
+
+# --- npu_fused_infer_attention_score ------------------------------------------------------
+
+# Arguments the page documents that the reference does not model, with their defaults.
+_UNMODELLED_FIA_ARGUMENTS = (
+    "pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
+    "quant_offset2", "antiquant_scale", "antiquant_offset", "query_padding_size",
+    "kv_padding_size", "key_antiquant_scale", "key_antiquant_offset",
+    "value_antiquant_scale", "value_antiquant_offset", "key_shared_prefix",
+    "value_shared_prefix", "actual_shared_prefix_len", "query_rope", "key_rope",
+    "key_rope_antiquant_scale",
+)
+
+
+def _per_batch_lengths(name: str, lengths, batch: int, limit: int | None) -> list[int]:
+    """The page's rule for non-TND layouts: one value for every batch, or at least B values
+    of which the first B are used; each in [0, limit]."""
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.tolist()
+    if not isinstance(lengths, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in lengths):
+        raise TypeError(f"{name} must be a list of ints, got {lengths!r}.")
+    if len(lengths) == 1:
+        lengths = list(lengths) * batch
+    elif len(lengths) < batch:
+        raise ValueError(f"{name} has {len(lengths)} values for a batch of {batch}; the page "
+                         "allows 1 value or at least B.")
+    lengths = list(lengths[:batch])
+    for b, length in enumerate(lengths):
+        if length < 0 or (limit is not None and length > limit):
+            bound = f"[0, {limit}]" if limit is not None else "non-negative"
+            raise ValueError(f"{name}[{b}] = {length}; it must be {bound}.")
+    return lengths
+
+
+def _check_compressed_causal_mask(atten_mask) -> None:
+    _require_tensor("atten_mask", atten_mask)
+    side = _COMPRESSED_MASK_SIDE
+    if atten_mask.dtype not in _MASK_DTYPES:
+        raise TypeError(f"atten_mask has dtype {atten_mask.dtype}; the page allows bool, int8 "
+                        "and uint8.")
+    if atten_mask.shape not in ((side, side), (1, side, side), (1, 1, side, side)):
+        raise ValueError(f"atten_mask has shape {tuple(atten_mask.shape)}; with sparse_mode=3 "
+                         f"it must be the compressed ({side}, {side}) mask (or with leading "
+                         "1s).")
+    expected = torch.triu(torch.ones(side, side, dtype=torch.bool), diagonal=1)
+    if not torch.equal(atten_mask.reshape(side, side).bool(), expected):
+        raise ValueError("atten_mask is not the compressed causal mask: with sparse_mode=3 "
+                         "it must hold 1 strictly above the diagonal (not computed) and 0 "
+                         "elsewhere, i.e. torch.triu(torch.ones(2048, 2048), diagonal=1).")
+
+
+def _paged_sequence(cache: torch.Tensor, table_row: torch.Tensor, length: int,
+                    block_size: int, kv_heads: int) -> torch.Tensor:
+    """``length`` tokens of one batch from a ``(num_blocks, block_size, H)`` cache, as
+    ``[length, kv_heads, D]``."""
+    num_blocks_needed = -(-length // block_size)
+    blocks = cache[table_row[:num_blocks_needed].long()]
+    return blocks.reshape(-1, kv_heads, cache.shape[-1] // kv_heads)[:length]
+
+
+def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None,
+                                    actual_seq_lengths=None, actual_seq_lengths_kv=None,
+                                    dequant_scale1=None, quant_scale1=None,
+                                    dequant_scale2=None, quant_scale2=None,
+                                    quant_offset2=None, antiquant_scale=None,
+                                    antiquant_offset=None, block_table=None,
+                                    query_padding_size=None, kv_padding_size=None,
+                                    key_antiquant_scale=None, key_antiquant_offset=None,
+                                    value_antiquant_scale=None, value_antiquant_offset=None,
+                                    key_shared_prefix=None, value_shared_prefix=None,
+                                    actual_shared_prefix_len=None, query_rope=None,
+                                    key_rope=None, key_rope_antiquant_scale=None,
+                                    num_heads=1, scale=1.0, pre_tokens=_INT_MAX,
+                                    next_tokens=_INT_MAX, input_layout="BSH",
+                                    num_key_value_heads=0, sparse_mode=0, inner_precise=0,
+                                    block_size=0, antiquant_mode=0, softmax_lse_flag=False,
+                                    key_antiquant_mode=0, value_antiquant_mode=0):
+    """``torch_npu.npu_fused_infer_attention_score(query, key, value, *, ...) ->
+    (attention_out, softmax_lse)``.
+
+    Follows Ascend/op-plugin ``docs/context/torch_npu-npu_fused_infer_attention_score.md``;
+    ``attention_out = softmax(scale * query @ key^T + atten_mask) @ value``. Modelled:
+
+    - page attention only: ``block_table`` (int32, ``[B, >= max blocks per batch]``) and
+      ``block_size`` (a multiple of 16 when Q_S = 1; 128 to 512 in steps of 128 when
+      Q_S > 1), ``key``/``value`` the caches as ``(num_blocks, block_size, H)`` with
+      ``H = num_key_value_heads * D`` (at most 65535), ``actual_seq_lengths_kv`` required;
+    - ``input_layout`` ``"BSND"`` (query ``[B, Q_S, N, D]``) or ``"BSH"`` (``[B, Q_S,
+      N * D]``); ``query``, ``key``, ``value`` float16 or bfloat16 of one dtype, D a
+      multiple of 16 up to 512, N up to 256. The TND layouts are not modelled: the page
+      limits them to MLA head shapes (D 192, or 512/128 with rope) and, without page
+      attention, to bfloat16;
+    - ``num_heads`` = N; ``num_key_value_heads`` dividing it (0: equal), ratio at most 64;
+    - ``actual_seq_lengths``: per batch (non-cumulative for these layouts), one value or
+      at least B, each at most Q_S; ignored when Q_S = 1 as the page says. Rows of a batch
+      past its actual length are padding: the page leaves them open, the reference
+      returns zeros there;
+    - ``sparse_mode`` 0 with no ``atten_mask`` (no masking), or 3 (rightDownCausal: query
+      row i of a batch with q query and k key tokens sees keys j <= i + k - q) with the
+      compressed 2048 x 2048 mask (1 strictly above the diagonal). When Q_S = 1 the page
+      makes ``sparse_mode`` ineffective and the query sees all its keys; a mask there is
+      not modelled. ``pre_tokens``/``next_tokens`` are ignored for these modes;
+    - ``inner_precise`` 0-3 (precision and row-invalid switches: one float32 result here;
+      rows left with no key to attend raise instead);
+    - ``softmax_lse_flag``: the log-sum-exp of the scaled, masked scores, float32 ``(B, N,
+      Q_S, 1)`` (0 on padding rows); when False a one-element zero tensor, as the page says.
+
+    Every quantization, rope, prefix, padding-size and pse argument raises
+    ``NotImplementedError``; so do int8 keys and values.
+    """
+    given = locals()
+    for name in _UNMODELLED_FIA_ARGUMENTS:
+        if given[name] is not None:
+            raise NotImplementedError(
+                f"{name} is not modelled by the reference npu_fused_infer_attention_score; "
+                "it models float16/bfloat16 page attention without quantization, rope, "
+                "prefix or padding arguments.")
+    for name, default in (("antiquant_mode", 0), ("key_antiquant_mode", 0),
+                          ("value_antiquant_mode", 0)):
+        if given[name] != default:
+            raise NotImplementedError(f"{name}={given[name]!r} is not modelled (only "
+                                      f"{default}).")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        _require_tensor(name, tensor)
+        _require_contiguous(name, tensor)
+        if tensor.dtype == torch.int8:
+            raise NotImplementedError(f"{name} in int8 (quantized attention) is not modelled "
+                                      "by the reference torch_npu.")
+        if tensor.dtype not in _HALF_DTYPES:
+            raise TypeError(f"{name} has dtype {tensor.dtype}; the page allows float16 and "
+                            "bfloat16 (and int8 for key/value).")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query ({query.dtype}), key ({key.dtype}) and value ({value.dtype}) "
+                        "must share one dtype in the modelled (unquantized) form.")
+
+    if input_layout in ("TND", "TND_NTD", "NTD_TND"):
+        raise NotImplementedError(
+            f"input_layout={input_layout!r} is not modelled: the page restricts the TND "
+            "layouts to MLA head shapes; use 'BSND' or 'BSH' with page attention.")
+    if input_layout not in ("BSND", "BSH"):
+        raise NotImplementedError(f"input_layout={input_layout!r} is not modelled; the "
+                                  "reference models 'BSND' and 'BSH'.")
+    heads = _require_int("num_heads", num_heads)
+    kv_heads = _require_int("num_key_value_heads", num_key_value_heads) or heads
+    if heads < 1 or heads > 256:
+        raise ValueError(f"num_heads={heads}; it must be in [1, 256].")
+    if heads % kv_heads or heads // kv_heads > 64:
+        raise ValueError(f"num_heads={heads} and num_key_value_heads={kv_heads}: num_heads "
+                         "must be a multiple of num_key_value_heads, at most 64 times it.")
+    if input_layout == "BSND":
+        if query.dim() != 4 or query.shape[2] != heads:
+            raise ValueError(f"query has shape {tuple(query.shape)}; with input_layout='BSND' "
+                             f"it must be [B, Q_S, num_heads={heads}, D].")
+        head_dim = query.shape[3]
+    else:
+        if query.dim() != 3 or query.shape[2] % heads:
+            raise ValueError(f"query has shape {tuple(query.shape)}; with input_layout='BSH' "
+                             f"it must be [B, Q_S, H] with H a multiple of num_heads={heads}.")
+        head_dim = query.shape[2] // heads
+    batch, q_s = query.shape[0], query.shape[1]
+    if head_dim % 16 or head_dim > 512:
+        raise ValueError(f"head dim D={head_dim}; with float16/bfloat16 inputs it must be a "
+                         "multiple of 16 and at most 512.")
+
+    if block_table is None:
+        raise NotImplementedError("attention over dense key/value (no block_table) is not "
+                                  "modelled; the reference models page attention.")
+    _require_tensor("block_table", block_table)
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 \
+            or block_table.shape[0] != batch:
+        raise ValueError(f"block_table has dtype {block_table.dtype} and shape "
+                         f"{tuple(block_table.shape)}; it must be int32 [B={batch}, "
+                         "max blocks per batch].")
+    block = _require_int("block_size", block_size)
+    if q_s == 1:
+        if block <= 0 or block % 16:
+            raise ValueError(f"block_size={block}; with Q_S = 1 and float16/bfloat16 "
+                             "caches it must be a positive multiple of 16.")
+    elif block not in (128, 256, 384, 512):
+        raise ValueError(f"block_size={block}; page attention with Q_S > 1 needs 128 to 512 "
+                         "in steps of 128.")
+    hidden_kv = kv_heads * head_dim
+    for name, cache in (("key", key), ("value", value)):
+        if cache.dim() != 3 or cache.shape[1] != block or cache.shape[2] != hidden_kv:
+            raise ValueError(f"{name} has shape {tuple(cache.shape)}; for page attention it "
+                             f"must be (num_blocks, block_size={block}, "
+                             f"num_key_value_heads * D = {hidden_kv}).")
+    if hidden_kv > 65535:
+        raise ValueError(f"num_key_value_heads * D = {hidden_kv} exceeds 65535, which the "
+                         "(num_blocks, block_size, H) cache layout cannot address.")
+    num_blocks = key.shape[0]
+    if actual_seq_lengths_kv is None:
+        raise ValueError("page attention needs actual_seq_lengths_kv.")
+    kv_lengths = _per_batch_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch,
+                                    None)
+    if actual_seq_lengths is None or q_s == 1:
+        q_lengths = [q_s] * batch
+    else:
+        q_lengths = _per_batch_lengths("actual_seq_lengths", actual_seq_lengths, batch, q_s)
+    blocks_per_batch = [-(-length // block) for length in kv_lengths]
+    if max(blocks_per_batch, default=0) > block_table.shape[1]:
+        raise ValueError(f"block_table has {block_table.shape[1]} columns but a batch needs "
+                         f"{max(blocks_per_batch)} blocks for actual_seq_lengths_kv "
+                         f"{kv_lengths} and block_size {block}.")
+    if sum(blocks_per_batch) > num_blocks:
+        raise ValueError(f"the caches hold {num_blocks} blocks, fewer than the "
+                         f"{sum(blocks_per_batch)} the batches' lengths need.")
+    for b, count in enumerate(blocks_per_batch):
+        ids = block_table[b, :count]
+        if count and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+            raise ValueError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
+                             f"{num_blocks - 1}].")
+
+    mode = _require_int("sparse_mode", sparse_mode)
+    if mode not in (0, 1, 2, 3, 4):
+        raise ValueError(f"sparse_mode={mode}; the page allows 0 to 4.")
+    causal = False
+    if q_s == 1:
+        if atten_mask is not None:
+            raise NotImplementedError("atten_mask with Q_S = 1 is not modelled.")
+    elif mode == 0:
+        if atten_mask is not None:
+            raise NotImplementedError("sparse_mode=0 with a full atten_mask is not modelled; "
+                                      "pass no mask, or sparse_mode=3 with the compressed "
+                                      "causal mask.")
+    elif mode == 3:
+        if atten_mask is None:
+            raise ValueError("sparse_mode=3 needs the compressed (2048, 2048) atten_mask.")
+        _check_compressed_causal_mask(atten_mask)
+        causal = True
+    else:
+        raise NotImplementedError(f"sparse_mode={mode} is not modelled; the reference "
+                                  "models 0 (no mask) and 3 (rightDownCausal).")
+    if _require_int("inner_precise", inner_precise) not in (0, 1, 2, 3):
+        raise ValueError(f"inner_precise={inner_precise}; the page allows 0 to 3.")
+    if q_s == 1 and inner_precise not in (0, 1):
+        raise ValueError(f"inner_precise={inner_precise} with Q_S = 1; the page allows 0 or 1.")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}.")
+    if not isinstance(softmax_lse_flag, bool):
+        raise TypeError(f"softmax_lse_flag must be a bool, got "
+                        f"{type(softmax_lse_flag).__name__}.")
+
+    q_all = query.reshape(batch, q_s, heads, head_dim).float()
+    out = torch.zeros(batch, q_s, heads, head_dim, dtype=torch.float32)
+    lse = torch.zeros(batch, heads, q_s, 1, dtype=torch.float32)
+    group = heads // kv_heads
+    for b in range(batch):
+        q_len, kv_len = q_lengths[b], kv_lengths[b]
+        if q_len == 0:
+            continue
+        if kv_len == 0:
+            continue  # the page: empty keys give zero output
+        keys = _paged_sequence(key, block_table[b], kv_len, block, kv_heads).float()
+        values = _paged_sequence(value, block_table[b], kv_len, block, kv_heads).float()
+        keys = keys.repeat_interleave(group, dim=1)        # [kv_len, N, D]
+        values = values.repeat_interleave(group, dim=1)
+        q = q_all[b, :q_len]                               # [q_len, N, D]
+        scores = float(scale) * torch.einsum("qnd,knd->nqk", q, keys)
+        if causal:
+            rows = torch.arange(q_len).unsqueeze(1)
+            cols = torch.arange(kv_len).unsqueeze(0)
+            allowed = cols <= rows + (kv_len - q_len)
+            if not bool(allowed.any(dim=1).all()):
+                raise ValueError(f"batch {b}: actual_seq_lengths {q_len} exceeds "
+                                 f"actual_seq_lengths_kv {kv_len}, so rightDownCausal "
+                                 "leaves query rows with no key; the page leaves their "
+                                 "result open.")
+            scores = scores.masked_fill(~allowed, -math.inf)
+        row_lse = torch.logsumexp(scores, dim=-1)          # [N, q_len]
+        probs = torch.exp(scores - row_lse.unsqueeze(-1))
+        out[b, :q_len] = torch.einsum("nqk,knd->qnd", probs, values)
+        lse[b, :, :q_len, 0] = row_lse
+    attention_out = out.to(query.dtype).reshape(query.shape)
+    softmax_lse = lse if softmax_lse_flag else torch.zeros(1, dtype=torch.float32)
+    return attention_out, softmax_lse
