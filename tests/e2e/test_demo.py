@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 
-def test_demo_serves_and_answers(tmp_path, llama_dir):
+def run_demo(*args: str, log) -> str:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_TARGET"}
-    proc = subprocess.run([sys.executable, "-m", "ascend_plugin.demo", "--max-tokens", "8",
-                           "--log", str(tmp_path / "server.log")],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "ascend_plugin.demo", *args, "--log", str(log)],
+                          env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    out = proc.stdout
+    return proc.stdout
+
+
+def test_demo_serves_and_answers(tmp_path, llama_dir):
+    out = run_demo("--max-tokens", "8", log=tmp_path / "server.log")
     assert out.count("/v1/completions  prompt:") == 2
     assert out.count("/v1/chat/completions  user:") == 2
     answers = [line for line in out.splitlines() if line.startswith("  -> ")]
@@ -21,3 +25,20 @@ def test_demo_serves_and_answers(tmp_path, llama_dir):
     log = (tmp_path / "server.log").read_text()
     assert "Ascend plugin active: host target (AscendHostPlatform)" in log
     assert llama_dir in log  # the demo model is the cached tiny Llama
+
+
+def test_demo_with_medusa_reports_acceptance(tmp_path):
+    from ascend_plugin.demo import ensure_medusa_demo
+
+    base, heads = ensure_medusa_demo()
+    out = run_demo("--medusa", "--max-tokens", "32", log=tmp_path / "server.log")
+    assert out.count("  -> ") == 4
+    found = re.search(r"Medusa: (\d+) drafts, (\d+) of (\d+) draft tokens accepted, "
+                      r"mean acceptance length ([0-9.]+) \(k=3\)", out)
+    assert found, out[-2000:]
+    drafts, accepted, proposed = (int(found.group(i)) for i in (1, 2, 3))
+    assert drafts > 0 and proposed == 3 * drafts and 0 < accepted <= proposed
+    assert float(found.group(4)) == round(1 + accepted / drafts, 2)
+    log = (tmp_path / "server.log").read_text()
+    assert "Ascend plugin active: host target" in log
+    assert heads in log and base in log

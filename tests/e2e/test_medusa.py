@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import pytest
 
+from ascend_plugin.demo import MEDUSA_BASE, MEDUSA_HEADS, medusa_train_options
+
 from vllm_runs import PROMPTS, run_vllm, start_failure
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
-MEDUSA_BASE = {"initializer_range": 0.005}
 MAX_TOKENS = 64
-K = 3
+K = MEDUSA_HEADS
 MIN_ACCEPTANCE_LENGTH = 1.8
-
-
-def train_options():
-    from ascend_specdec.medusa import TrainOptions
-
-    return TrainOptions(heads=K, samples=4000, steps=3000, continuation_tokens=MAX_TOKENS,
-                        seed=0)
 
 
 def medusa(heads_dir, k=K) -> dict:
@@ -55,7 +49,7 @@ def heads_dir(base_dir) -> str:
     from ascend_specdec.medusa import ensure_medusa_heads
 
     # Trained once (about a minute on 2 cores), then cached by base model and options.
-    return str(ensure_medusa_heads(base_dir, train_options()))
+    return str(ensure_medusa_heads(base_dir, medusa_train_options()))
 
 
 @pytest.fixture(scope="module")

@@ -3,22 +3,55 @@
     python -m ascend_plugin.demo                  # the demo model, built locally
     python -m ascend_plugin.demo --model PATH     # any checkpoint vLLM can load
     python -m ascend_plugin.demo --serve          # keep serving after the requests
+    python -m ascend_plugin.demo --medusa         # with Medusa speculative decoding
 
 The demo model is a tiny random Llama with a tokenizer trained on text from the
 Python installation (no download): its answers are fluent-looking noise, but
 every token went through vLLM and the plugin.
+
+With ``--medusa`` the base is the same tiny Llama with small initial weights (its greedy
+continuations are learnable several tokens ahead, which a fully random one's are not) and
+three Medusa heads self-distilled from it by ascend-specdec (about a minute on 2 cores,
+then cached); the demo prints the mean acceptance length the server measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
-from ascend_plugin.serving import chat, complete, running_server
+from ascend_plugin.serving import chat, complete, counter_totals, running_server
 
 PROMPTS = ["The Python Software Foundation", "def main():"]
 CHAT = ["What is an NPU?", "Write a haiku about vLLM."]
+
+# The Medusa demo: base model fields and training options (the host e2e tests use the same,
+# so both share one cached base and one set of heads).
+MEDUSA_BASE = {"initializer_range": 0.005}
+MEDUSA_HEADS = 3
+
+
+def medusa_train_options():
+    from ascend_specdec.medusa import TrainOptions
+
+    return TrainOptions(heads=MEDUSA_HEADS, samples=4000, steps=3000, continuation_tokens=64,
+                        seed=0)
+
+
+def ensure_medusa_demo() -> tuple[str, str]:
+    """(base model folder, Medusa heads folder), built and trained once, then cached."""
+    from ascend_plugin.tiny_models import ensure_model
+    from ascend_specdec.medusa import ensure_medusa_heads
+
+    base = ensure_model("llama", **MEDUSA_BASE)
+    return str(base), str(ensure_medusa_heads(base, medusa_train_options()))
+
+
+def medusa_server_args(heads: str) -> list[str]:
+    config = {"method": "medusa", "model": heads, "num_speculative_tokens": MEDUSA_HEADS}
+    return ["--speculative-config", json.dumps(config)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -27,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", help="checkpoint folder or name (default: the demo model)")
     parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--medusa", action="store_true",
+                        help="serve the Medusa demo: a tiny base with heads trained here")
     parser.add_argument("--serve", action="store_true",
                         help="keep the server running after the demo requests (Ctrl-C stops)")
     parser.add_argument("--log", default="vllm-demo-server.log",
@@ -39,12 +74,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = args.model
-    if model is None:
+    extra = [a for a in args.server_args if a != "--"]
+    if args.medusa:
+        if model is not None:
+            print("[demo] error: --medusa serves its own base model and heads; for your "
+                  f"model ({model}) train heads with `python -m ascend_specdec.train_medusa` "
+                  "and pass them after -- as --speculative-config", file=sys.stderr)
+            return 2
+        print("[demo] preparing the Medusa demo: base model and heads (trained once, about "
+              "a minute, then cached)", flush=True)
+        model, heads = ensure_medusa_demo()
+        extra = medusa_server_args(heads) + extra
+    elif model is None:
         from ascend_plugin.tiny_models import ensure_model
 
         print("[demo] preparing the demo model (built once, then cached)", flush=True)
         model = str(ensure_model("llama"))
-    extra = [a for a in args.server_args if a != "--"]
     print(f"[demo] starting vLLM's OpenAI server through the plugin (host target) on {model}",
           flush=True)
     print(f"[demo] server log: {args.log}", flush=True)
@@ -59,6 +104,8 @@ def main(argv=None) -> int:
             answer = reply["choices"][0]["message"]["content"]
             print(f"\n/v1/chat/completions  user: {message!r}\n  -> {answer!r}")
         print(flush=True)
+        if args.medusa:
+            print_acceptance(url)
         if args.serve:
             print(f"[demo] serving at {url}; Ctrl-C stops", flush=True)
             try:
@@ -68,6 +115,19 @@ def main(argv=None) -> int:
                 pass
     print("[demo] done", flush=True)
     return 0
+
+
+def print_acceptance(url: str) -> None:
+    names = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
+             "vllm:spec_decode_num_draft_tokens")
+    totals = counter_totals(url, names)
+    drafts, accepted, proposed = (totals[name] for name in names)
+    if drafts == 0:
+        print("[demo] Medusa: the server reports no drafts", flush=True)
+        return
+    print(f"[demo] Medusa: {int(drafts)} drafts, {int(accepted)} of {int(proposed)} draft "
+          f"tokens accepted, mean acceptance length {1 + accepted / drafts:.2f} "
+          f"(k={MEDUSA_HEADS})", flush=True)
 
 
 if __name__ == "__main__":

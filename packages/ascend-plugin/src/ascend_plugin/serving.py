@@ -108,6 +108,25 @@ def chat(base_url: str, model: str, message: str, max_tokens: int = 24) -> dict:
                       "messages": [{"role": "user", "content": message}]})
 
 
+def counter_totals(base_url: str, names: Sequence[str], timeout: float = 30) -> dict[str, float]:
+    """Totals of Prometheus counters on the server's ``/metrics`` (summed over labels).
+
+    A counter ``name`` is exposed as ``name_total``; either spelling is accepted.
+    """
+    with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as reply:
+        text = reply.read().decode()
+    totals = {name: 0.0 for name in names}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        metric, _, value = line.rpartition(" ")
+        metric_name = metric.split("{", 1)[0]
+        for name in names:
+            if metric_name in (name, name + "_total"):
+                totals[name] += float(value)
+    return totals
+
+
 def _tail(log_path: str | None, lines: int = 30) -> str:
     if not log_path or not os.path.exists(log_path):
         return ""
