@@ -119,9 +119,14 @@ def test_dotted_paths_name_real_classes(npu):
     assert issubclass(resolve_obj_by_qualname(npu.NPU_WORKER), Worker)
 
 
-def test_attention_backend_is_reported_missing(npu):
-    with pytest.raises(NotImplementedError, match="no attention backend yet"):
-        npu.AscendPlatform.get_attn_backend_cls(None, None)
+def test_attention_backend_is_the_ascend_one(npu):
+    # Selection and refusals in detail: tests/test_attention_npu.py.
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    config = AttentionSelectorConfig(head_size=64, dtype=torch.float16,
+                                     kv_cache_dtype="auto", block_size=128)
+    backend = resolve_obj_by_qualname(npu.AscendPlatform.get_attn_backend_cls(None, config))
+    assert backend.get_name() == "ASCEND_ATTN"
 
 
 # --- device queries go to torch.npu --------------------------------------------------------

@@ -1,0 +1,373 @@
+"""Paged attention for the npu target through torch_npu's documented fused ops.
+
+One path serves prefill, decode, chunked prefill on cached context and speculative
+verification (several query tokens per request on top of its cache), in any mix:
+
+- the KV write is ``torch_npu.npu_scatter_pa_kv_cache`` in its ND ("Norm") mode, keys and
+  values of each token scattered by vLLM's slot mapping;
+- attention is ``torch_npu.npu_fused_infer_attention_score`` in its page-attention form:
+  the query as ``BSND`` (``[requests, longest query, heads, head_dim]``), the caches read
+  through vLLM's block table, ``actual_seq_lengths`` the per-request query lengths and
+  ``actual_seq_lengths_kv`` the per-request lengths of cache plus new tokens, and
+  ``sparse_mode=3`` (right-down causal) with the page's compressed 2048 x 2048 mask, which
+  aligns each request's queries with the end of its keys: query ``i`` of ``q`` sees the
+  first ``kv - q + i + 1`` keys. With one query token per request (decode) the op takes
+  its incremental branch, where the page makes the mask and ``sparse_mode`` ineffective.
+
+The TND layout would avoid padding ragged queries, but torch_npu's page restricts TND to
+MLA head shapes (D 192, or 512/128 with rope), so ragged batches are padded to BSND here
+and uniform ones (decode, speculative verification) are only viewed.
+
+KV cache: per layer two contiguous halves, keys then values, each ``(num_blocks,
+block_size, num_kv_heads * head_size)`` -- the ``(blocknum, blocksize, H)`` cache layout
+the fused op reads, and, viewed as ``[num_blocks, block_size, num_kv_heads, head_size]``,
+the ND cache the scatter writes. In vLLM's terms: two head slots of ``num_kv_heads *
+head_size`` each, in the ``LHBNC`` layout, so that vLLM's per-layer view is logical
+``[num_blocks, 2, block_size, num_kv_heads * head_size]`` with contiguous halves.
+
+torch_npu is imported inside the functions that run on the device, so this module imports
+(and its metadata builds) without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from ascend_core.attention import ASCEND_ATTN_NAME
+
+# Page attention with more than one query token per request takes block sizes of 128 to
+# 512 in steps of 128 (torch_npu-npu_fused_infer_attention_score.md).
+SUPPORTED_BLOCK_SIZES = (128, 256, 384, 512)
+# float16/bfloat16 inputs need head_dim aligned to 16, at most 512.
+SUPPORTED_HEAD_SIZES = tuple(range(16, 513, 16))
+MAX_HEADS = 256
+MAX_GQA_RATIO = 64
+# The H of a (blocknum, blocksize, H) cache is limited to 65535 elements.
+MAX_KV_HIDDEN = 65535
+# sparse_mode=3 takes this optimised mask: 1 strictly above the diagonal (not computed).
+COMPRESSED_MASK_SIDE = 2048
+SPARSE_MODE_NO_MASK = 0
+SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
+
+
+class AscendAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return ASCEND_ATTN_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[AscendAttentionImpl]:
+        return AscendAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AscendAttentionMetadataBuilder]:
+        return AscendAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
+        return list(SUPPORTED_BLOCK_SIZES)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Keys and values as two head slots, so each is one contiguous region."""
+        if spec.state_content_bytes is not None:
+            return spec
+        if spec.head_size != spec.head_size_v:
+            raise ValueError(
+                f"The Ascend attention backend needs equal key and value head sizes, got "
+                f"{spec.head_size} and {spec.head_size_v}."
+            )
+        return replace(
+            spec,
+            num_head_slots=2,
+            state_content_bytes=spec.num_kv_heads * spec.head_size * get_dtype_size(spec.dtype),
+        )
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Head slot outermost within a layer: all blocks of keys, then all of values.
+        return (KVCacheLayout.LHBNC,)
+
+
+@dataclass
+class AscendAttentionMetadata:
+    """The fused op's arguments for one batch, shared by every layer of a KV group."""
+
+    num_actual_tokens: int  # tokens with a query, in request order
+    num_reqs: int
+    max_query_len: int  # Q_S of the BSND query
+    query_lens: list[int]  # [num_reqs] actual_seq_lengths (per request)
+    seq_lens: list[int]  # [num_reqs] actual_seq_lengths_kv: cached + new tokens
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_actual_tokens]
+    # [num_actual_tokens] row of each token in the flattened [num_reqs * max_query_len]
+    # BSND query; None when every request has max_query_len tokens (a plain view).
+    padded_rows: torch.Tensor | None
+    attn_mask: torch.Tensor | None  # compressed causal mask; None when max_query_len == 1
+    sparse_mode: int
+
+
+class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Every batch goes through one path, so requests need no reordering.
+    reorder_batch_threshold: int | None = None
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if kv_cache_spec.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(
+                f"The Ascend attention backend reads paged caches of block size "
+                f"{list(SUPPORTED_BLOCK_SIZES)}, got {kv_cache_spec.block_size}; "
+                "pass --block-size 128."
+            )
+        self._causal_mask: torch.Tensor | None = None
+
+    def _compressed_causal_mask(self) -> torch.Tensor:
+        if self._causal_mask is None:
+            side = COMPRESSED_MASK_SIDE
+            ones = torch.ones(side, side, dtype=torch.int8, device=self.device)
+            self._causal_mask = torch.triu(ones, diagonal=1)
+        return self._causal_mask
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> AscendAttentionMetadata:
+        meta = common_attn_metadata
+        if not (isinstance(meta.causal, bool) and meta.causal):
+            raise NotImplementedError(
+                "The Ascend attention backend computes causal decoder attention only; got "
+                f"causal={meta.causal!r}."
+            )
+        num_reqs = meta.num_reqs
+        # The op takes host lists (SymInt[]); query starts are on the host already.
+        starts = meta.query_start_loc_cpu[: num_reqs + 1].tolist()
+        query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
+        seq_lens = meta.seq_lens[:num_reqs].to("cpu").tolist()
+        for req, (q_len, kv_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            if q_len > kv_len:
+                raise ValueError(
+                    f"request {req} has {q_len} query tokens but a sequence length of "
+                    f"{kv_len}; the sequence length counts cached plus new tokens, so it "
+                    "must be at least the query length."
+                )
+        num_tokens = starts[-1]
+        max_query_len = max(query_lens, default=0)
+
+        padded_rows = None
+        if any(q_len != max_query_len for q_len in query_lens):
+            rows = [
+                req * max_query_len + offset
+                for req, q_len in enumerate(query_lens)
+                for offset in range(q_len)
+            ]
+            padded_rows = torch.tensor(rows, dtype=torch.long).to(self.device)
+
+        incremental = max_query_len <= 1
+        return AscendAttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=num_reqs,
+            max_query_len=max_query_len,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_table=meta.block_table_tensor[:num_reqs],
+            slot_mapping=meta.slot_mapping[:num_tokens],
+            padded_rows=padded_rows,
+            attn_mask=None if incremental else self._compressed_causal_mask(),
+            sparse_mode=SPARSE_MODE_NO_MASK if incremental else SPARSE_MODE_RIGHT_DOWN_CAUSAL,
+        )
+
+
+class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap or None,
+            "sinks": sinks,
+        }
+        for name, given in unsupported.items():
+            if given is not None:
+                raise NotImplementedError(
+                    f"The Ascend attention backend does not implement {name} (got {given!r}); "
+                    "its fused op is called without position biases, windows, soft caps or "
+                    "sinks."
+                )
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(
+                f"The Ascend attention backend computes decoder attention only, got "
+                f"attn_type={attn_type!r}."
+            )
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(
+                f"head_size={head_size} is not supported by the Ascend attention backend: "
+                "torch_npu's fused attention needs a multiple of 16 up to 512."
+            )
+        if num_kv_heads < 1 or num_heads % num_kv_heads or num_heads > MAX_HEADS or (
+            num_heads // num_kv_heads > MAX_GQA_RATIO
+        ):
+            raise ValueError(
+                f"num_heads={num_heads}, num_kv_heads={num_kv_heads}: torch_npu's fused "
+                f"attention takes at most {MAX_HEADS} query heads, a multiple of the KV "
+                f"heads and at most {MAX_GQA_RATIO} times them."
+            )
+        if num_kv_heads * head_size > MAX_KV_HIDDEN:
+            raise ValueError(
+                f"num_kv_heads * head_size = {num_kv_heads * head_size} exceeds "
+                f"{MAX_KV_HIDDEN}, the largest H of the (blocks, block_size, H) cache."
+            )
+        if kv_cache_dtype not in AscendAttentionBackend.supported_kv_cache_dtypes:
+            raise NotImplementedError(
+                f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the Ascend attention "
+                "backend; use 'auto' (the model's float16/bfloat16)."
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def _split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value halves, each ``(num_blocks, block_size, num_kv_heads * D)``."""
+        if kv_cache.dim() != 4 or kv_cache.shape[1] != 2 or (
+            kv_cache.shape[3] != self.num_kv_heads * self.head_size
+        ):
+            raise ValueError(
+                f"KV cache of shape {tuple(kv_cache.shape)}; the Ascend backend expects "
+                f"[num_blocks, 2, block_size, {self.num_kv_heads * self.head_size}] "
+                "(AscendAttentionBackend.customize_spec's two head slots)."
+            )
+        key_cache, value_cache = kv_cache.unbind(1)
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError(
+                "The KV cache's key and value halves are not contiguous; torch_npu's ops "
+                "need them so. Allocate it in the LHBNC layout "
+                "(AscendAttentionBackend.supported_kv_cache_layouts)."
+            )
+        return key_cache, value_cache
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        import torch_npu
+
+        key_cache, value_cache = self._split_cache(kv_cache)
+        num_blocks, block_size, _ = key_cache.shape
+        cache_shape = (num_blocks, block_size, self.num_kv_heads, self.head_size)
+        tokens = slot_mapping.shape[0]
+        # The op takes contiguous [tokens, heads, head_size] inputs; vLLM's key and value
+        # are views into the fused QKV projection and may be padded past the slots.
+        torch_npu.npu_scatter_pa_kv_cache(
+            key[:tokens].contiguous(),
+            value[:tokens].contiguous(),
+            key_cache.view(cache_shape),
+            value_cache.view(cache_shape),
+            slot_mapping,
+            cache_mode="Norm",
+        )
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AscendAttentionMetadata | None,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query ``[tokens, num_heads, head_size]``; output the same shape, written in place
+        for the batch's tokens."""
+        if output is None:
+            raise ValueError("The Ascend attention backend writes into vLLM's output buffer; "
+                             "output must be given.")
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                "Fused output quantization is not supported by the Ascend attention backend."
+            )
+        if attn_metadata is None:  # profiling run
+            return output
+        import torch_npu
+
+        meta = attn_metadata
+        tokens = meta.num_actual_tokens
+        if tokens == 0:
+            return output
+        key_cache, value_cache = self._split_cache(kv_cache)
+        block_size = key_cache.shape[1]
+        batch, q_s = meta.num_reqs, meta.max_query_len
+        bsnd = (batch, q_s, self.num_heads, self.head_size)
+        if meta.padded_rows is None:
+            bsnd_query = query[:tokens].contiguous().view(bsnd)
+        else:
+            padded = query.new_zeros(batch * q_s, self.num_heads, self.head_size)
+            padded[meta.padded_rows] = query[:tokens]
+            bsnd_query = padded.view(bsnd)
+        attn_out, _ = torch_npu.npu_fused_infer_attention_score(
+            bsnd_query,
+            key_cache,
+            value_cache,
+            atten_mask=meta.attn_mask,
+            actual_seq_lengths=meta.query_lens,
+            actual_seq_lengths_kv=meta.seq_lens,
+            block_table=meta.block_table,
+            block_size=block_size,
+            num_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            scale=self.scale,
+            input_layout="BSND",
+            sparse_mode=meta.sparse_mode,
+        )
+        flat = attn_out.view(batch * q_s, self.num_heads, self.head_size)
+        output[:tokens] = flat if meta.padded_rows is None else flat[meta.padded_rows]
+        return output
