@@ -14,7 +14,11 @@ vLLM finds the occurrence with a KMP scan over the reversed history, one request
 numba. Here every request of the batch is searched at once: the candidate end positions of a
 match are the earlier places of the last token; each round keeps those whose match extends by
 one more token backwards. On text that does not repeat much, the candidates thin out after a
-round or two, so a batch costs about one comparison over its tokens.
+round or two, so a batch costs about one comparison over its tokens. On repetitive text they
+do not, but there a full ``max_n`` match is usually among a row's first candidates: those are
+tried first and settle the row. What stays expensive (``max_n`` rounds over many candidates) is
+text where many places match the suffix for almost, but not quite, ``max_n`` tokens.
+benchmarks/bench_ngram.py compares it with vLLM's on vLLM's benchmark setting.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+
+# Candidates per row tried at full length before the round-by-round search.
+PROBES = 4
 
 
 class NgramConfigError(ValueError):
@@ -86,15 +94,57 @@ def propose_batch(config: NgramConfig, token_ids: np.ndarray, num_tokens: np.nda
         return drafts, lengths
 
     total_s = total[searched]
+    num = searched.size
     width = int(total_s.max())
-    history = token_ids[rows[searched], :width]
-    last = history[np.arange(searched.size), total_s - 1]
+    picked = rows[searched]
+    if token_ids.flags.c_contiguous:
+        # Gathers index the caller's buffer in place (vLLM's [max_num_reqs, max_model_len]).
+        flat = token_ids.reshape(-1)
+        row_start = picked.astype(np.int64) * token_ids.shape[1]
+    else:
+        flat = np.ascontiguousarray(token_ids[picked, :width]).reshape(-1)
+        row_start = np.arange(num, dtype=np.int64) * width
+    history = token_ids[picked[0]:picked[0] + num, :width] \
+        if picked[-1] - picked[0] == num - 1 and np.all(np.diff(picked) == 1) \
+        else token_ids[picked, :width]
+    # tail[r, j]: the token j places before the last one (the suffix read backwards).
+    depth = min(config.max_n, width)
+    tail = flat[row_start[:, None] + np.maximum(total_s[:, None] - 1
+                                                - np.arange(depth)[None, :], 0)]
     # Round 1: end positions e <= total - 2 holding the last token.
-    ends_ok = np.arange(width)[None, :] <= (total_s - 2)[:, None]
-    cand_row, cand_end = np.nonzero((history == last[:, None]) & ends_ok)
+    mask = history == tail[:, :1]
+    if np.all(total_s == width):
+        mask[:, width - 1] = False
+    else:
+        mask &= np.arange(width)[None, :] <= (total_s - 2)[:, None]
+    cand = np.flatnonzero(mask)  # row-major: rows ascending, ends ascending within a row
+    cand_row = cand // width
+    cand_end = cand - cand_row * width
 
-    best_len = np.zeros(searched.size, dtype=np.int64)
-    best_end = np.zeros(searched.size, dtype=np.int64)
+    best_len = np.zeros(num, dtype=np.int64)
+    best_end = np.zeros(num, dtype=np.int64)
+    if depth == config.max_n and cand.size:
+        # Repetitive rows keep many candidates through every round. Their answer is usually
+        # among the first few: a match of max_n tokens, the earliest among those probed,
+        # settles the row (no longer match exists, and no earlier candidate is that long).
+        # Probed: the first candidates of each row that leave room for max_n tokens.
+        first = np.searchsorted(cand, np.arange(num) * width + depth - 1)
+        probe = (first[:, None] + np.arange(PROBES)[None, :]).ravel()
+        owner = np.repeat(np.arange(num), PROBES)
+        inside = probe < cand.size
+        probe, owner = probe[inside], owner[inside]
+        probe = probe[cand_row[probe] == owner]
+        probe_row, probe_end = cand_row[probe], cand_end[probe]
+        back = (row_start[probe_row] + probe_end)[:, None] - np.arange(depth)[None, :]
+        whole = np.all(flat[back] == tail[probe_row], axis=1)
+        settled, at = np.unique(probe_row[whole], return_index=True)
+        if settled.size:
+            best_len[settled] = depth
+            best_end[settled] = probe_end[whole][at]
+            is_settled = np.zeros(num, dtype=bool)
+            is_settled[settled] = True
+            keep = ~is_settled[cand_row]
+            cand_row, cand_end = cand_row[keep], cand_end[keep]
     length = 1
     while cand_row.size:
         # Candidates come row-major with ascending ends: the first per row is the earliest.
@@ -102,12 +152,11 @@ def propose_batch(config: NgramConfig, token_ids: np.ndarray, num_tokens: np.nda
         first[1:] = cand_row[1:] != cand_row[:-1]
         best_len[cand_row[first]] = length
         best_end[cand_row[first]] = cand_end[first]
-        if length == config.max_n:
+        if length == depth:
             break
         keep = cand_end >= length
         cand_row, cand_end = cand_row[keep], cand_end[keep]
-        keep = (history[cand_row, cand_end - length]
-                == history[cand_row, total_s[cand_row] - 1 - length])
+        keep = flat[row_start[cand_row] + cand_end - length] == tail[cand_row, length]
         cand_row, cand_end = cand_row[keep], cand_end[keep]
         length += 1
 
