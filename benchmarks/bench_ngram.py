@@ -92,8 +92,8 @@ def main() -> None:
             ours = AscendNgramProposer(config)
             their_drafts = theirs.propose(args.k, *batch)  # one more untimed call each
             our_drafts = ours.propose(args.k, *batch)
-            vllm_us = median_us(lambda: theirs.propose(args.k, *batch), iterations)
-            ours_us = median_us(lambda: ours.propose(args.k, *batch), iterations)
+            vllm_us = median_us(lambda p=theirs, b=batch: p.propose(args.k, *b), iterations)
+            ours_us = median_us(lambda p=ours, b=batch: p.propose(args.k, *b), iterations)
             row = {"workload": kind, "max_n": max_n, "vllm_us": round(vllm_us, 1),
                    "ours_us": round(ours_us, 1), "speedup": round(vllm_us / ours_us, 2),
                    "same_drafts": our_drafts == their_drafts,

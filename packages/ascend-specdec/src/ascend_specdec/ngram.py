@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
 # Candidates per row tried at full length before the round-by-round search.
 PROBES = 4
 
