@@ -191,7 +191,7 @@ def assert_distributed_as(samples, probs, what):
 
 
 def sample_many(target_logits, draft_q, requests, temperature=1.0, top_k=None, top_p=None,
-                seed=0):
+                seed=0, from_logits=None):
     """``requests`` identical requests with two draft positions each: row 0 and row 1 of
     ``target_logits`` are the target's logits at the two positions (row 2 the bonus row),
     the drafts are drawn from ``draft_q`` (``[2, V]``), or are the fixed tokens 0 and 1 with
@@ -210,7 +210,8 @@ def sample_many(target_logits, draft_q, requests, temperature=1.0, top_k=None, t
     batch_top_p = None if top_p is None else [top_p] * requests
     sampling = sampling_metadata([temperature] * requests, top_k=batch_top_k,
                                  top_p=batch_top_p)
-    output = ours()(spec_metadata(drafts.tolist()), draft_probs, logits, sampling)
+    output = ours(from_logits=from_logits)(spec_metadata(drafts.tolist()), draft_probs, logits,
+                                           sampling)
     assert vocab > 0
     return drafts, output.sampled_token_ids
 
@@ -230,9 +231,16 @@ DRAFT_Q = torch.tensor([[0.05, 0.40, 0.05, 0.10, 0.30, 0.10],
                         [0.30, 0.10, 0.30, 0.10, 0.10, 0.10]])
 
 
+# Random rows are verified from the logits on the CPU by default (from_logits), or through
+# the per-position ops on the softmax (what devices run): both must be exact.
+PATHS = pytest.mark.parametrize("from_logits", [True, False], ids=["from_logits", "ops"])
+
+
+@PATHS
 @pytest.mark.parametrize("draft_q", [DRAFT_Q, None], ids=["draft_probs", "no_draft_probs"])
-def test_random_path_reproduces_the_target_distribution(draft_q):
-    drafts, output = sample_many(TARGET_LOGITS, draft_q, requests=20000)
+def test_random_path_reproduces_the_target_distribution(draft_q, from_logits):
+    drafts, output = sample_many(TARGET_LOGITS, draft_q, requests=20000,
+                                 from_logits=from_logits)
     first = output[:, 0].long()
     assert_distributed_as(first, target_distribution(TARGET_LOGITS[0]), "first token")
     # The drafts were rejected often enough for both the accept and the recovery branch to
@@ -252,10 +260,11 @@ def test_the_chi_squared_check_can_fail():
     assert statistic > 10 * CHI2_CRITICAL_0_001[dof]
 
 
-def test_temperature_and_top_k_shape_the_distribution():
+@PATHS
+def test_temperature_and_top_k_shape_the_distribution(from_logits):
     temperature, top_k = 0.6, 3
     drafts, output = sample_many(TARGET_LOGITS, DRAFT_Q, requests=20000,
-                                 temperature=temperature, top_k=top_k)
+                                 temperature=temperature, top_k=top_k, from_logits=from_logits)
     expected = target_distribution(TARGET_LOGITS[0], temperature, top_k)
     assert int((expected > 0).sum()) == top_k
     # chi_squared fails outright on a token outside the top-k, at either position.
@@ -266,9 +275,11 @@ def test_temperature_and_top_k_shape_the_distribution():
     assert second_support[second].all()
 
 
-def test_top_p_drops_the_tail():
+@PATHS
+def test_top_p_drops_the_tail(from_logits):
     # With top-p 0.5 the target keeps its two most likely tokens (0 and 3) at position 0.
-    drafts, output = sample_many(TARGET_LOGITS, DRAFT_Q, requests=4000, top_p=0.5)
+    drafts, output = sample_many(TARGET_LOGITS, DRAFT_Q, requests=4000, top_p=0.5,
+                                 from_logits=from_logits)
     assert set(output[:, 0].tolist()) == {0, 3}
 
 
@@ -298,21 +309,22 @@ def test_random_path_equals_vllms_verification_on_the_same_draws():
         mine = rejection_sample(
             draft_ids, lengths, metadata.cu_num_draft_tokens, max(lengths), probs,
             target_logits.clone(), bonus, temperature=sampling.temperature, all_greedy=False,
-            all_random=False)
+            all_random=False, from_logits=False)
         assert torch.equal(mine, theirs)
 
 
 # --- ragged batches and seeds --------------------------------------------------------------
 
 
-def test_requests_without_drafts_get_only_their_bonus_token():
+@PATHS
+def test_requests_without_drafts_get_only_their_bonus_token(from_logits):
     generator = torch.Generator().manual_seed(2)
     lengths = [0, 3, 0, 0, 2]
     logits = torch.randn(sum(lengths) + len(lengths), 30, generator=generator)
     drafts = drafts_near_argmax(logits, lengths, generator)
     for temperatures in ([0.0] * 5, [1.0] * 5, [0.0, 1.0, 1.0, 0.0, 1.0]):
-        output = ours()(spec_metadata(drafts), None, logits.clone(),
-                        sampling_metadata(temperatures)).sampled_token_ids
+        output = ours(from_logits=from_logits)(spec_metadata(drafts), None, logits.clone(),
+                                               sampling_metadata(temperatures)).sampled_token_ids
         for row, length in enumerate(lengths):
             if length == 0:
                 emitted = rows_of(output)[row]
@@ -322,7 +334,8 @@ def test_requests_without_drafts_get_only_their_bonus_token():
                     assert emitted == [int(logits[bonus_row].argmax())]
 
 
-def seeded_run(position: int, others: int, seed: int, logits_row_seed: int = 0):
+def seeded_run(position: int, others: int, seed: int, from_logits: bool,
+               logits_row_seed: int = 0):
     """A seeded request at ``position`` among ``others`` unseeded ones with other drafts."""
     vocab, length = 40, 3
     request_logits = torch.randn(length + 1, vocab,
@@ -341,18 +354,21 @@ def seeded_run(position: int, others: int, seed: int, logits_row_seed: int = 0):
             blocks.append(torch.randn(n + 1, vocab, generator=filler))
     generators = {position: torch.Generator().manual_seed(seed)}
     sampling = sampling_metadata([1.0] * (others + 1), generators=generators)
-    output = ours()(spec_metadata(drafts), None, torch.cat(blocks), sampling)
+    output = ours(from_logits=from_logits)(spec_metadata(drafts), None, torch.cat(blocks),
+                                           sampling)
     return rows_of(output.sampled_token_ids)[position]
 
 
-def test_seeded_requests_do_not_depend_on_the_batch():
-    alone = seeded_run(position=0, others=0, seed=42)
+@PATHS
+def test_seeded_requests_do_not_depend_on_the_batch(from_logits):
+    alone = seeded_run(position=0, others=0, seed=42, from_logits=from_logits)
     torch.manual_seed(123)  # the unseeded requests draw from the default generator
-    assert seeded_run(position=2, others=6, seed=42) == alone
+    assert seeded_run(position=2, others=6, seed=42, from_logits=from_logits) == alone
     torch.manual_seed(321)
-    assert seeded_run(position=5, others=9, seed=42) == alone
+    assert seeded_run(position=5, others=9, seed=42, from_logits=from_logits) == alone
     # The seed matters: over a few other seeds the request's tokens change.
-    assert any(seeded_run(position=0, others=0, seed=s) != alone for s in range(43, 48))
+    assert any(seeded_run(position=0, others=0, seed=s, from_logits=from_logits) != alone
+               for s in range(43, 48))
 
 
 # --- penalties, registration, configuration ------------------------------------------------

@@ -34,6 +34,10 @@ from ascend_kernels.rejection import (
     request_of_token,
     sample_recovered_tokens,
 )
+from ascend_kernels.rejection_logits import (
+    generate_recovery_uniforms,
+    rejection_sample_from_logits,
+)
 from ascend_kernels.sampling import apply_top_k_top_p
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "apply_sampling_constraints", "rejection_sample",
@@ -58,7 +62,9 @@ def apply_sampling_constraints(target_logits: torch.Tensor, cu_num_draft_tokens:
     rows = request_of_token(cu_num_draft_tokens, tokens)
     if temperature is not None:
         scale = torch.where(temperature == GREEDY_TEMPERATURE, 1.0, temperature.float())
-        target_logits.div_(scale[rows].unsqueeze(1))
+        # On the CPU the check is free and saves a pass over [N, V] when no row needs it.
+        if scale.device.type != "cpu" or bool((scale != 1.0).any()):
+            target_logits.div_(scale[rows].unsqueeze(1))
     if top_k is None and top_p is None:
         return target_logits
     return apply_top_k_top_p(target_logits, None if top_k is None else top_k[rows],
@@ -72,15 +78,21 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
                      all_greedy: bool, all_random: bool,
                      generators: Mapping[int, torch.Generator] | None = None,
                      use_fp64_gumbel: bool = False,
-                     backend: str | None = None) -> torch.Tensor:
+                     backend: str | None = None,
+                     from_logits: bool | None = None) -> torch.Tensor:
     """Verify the drafts of a whole step (see the module docstring).
 
     ``target_logits [N, V]``: the target's logits at the draft positions, after
     :func:`apply_sampling_constraints`. ``draft_probs [N, V]`` or None.
     ``bonus_token_ids [B]`` or ``[B, 1]``. ``temperature [B]`` (0 marks a greedy request)
-    may be None only when ``all_greedy``. Randomness is drawn in vLLM's order (the uniform
-    draws, then the recovery noise), so a seeded request consumes its generator as it
-    would under vLLM's sampler.
+    may be None only when ``all_greedy``.
+
+    Random rows take one of two exact ways: ``from_logits`` (the default on the CPU, without
+    a forced backend) verifies straight from the logits and draws a recovered token only
+    where a request rejected (:mod:`ascend_kernels.rejection_logits`); otherwise the
+    target's softmax goes through the per-position ops of :mod:`ascend_kernels.rejection`
+    (Triton on devices), with randomness drawn in vLLM's order (the uniform draws, then the
+    recovery noise), so a seeded request consumes its generator as under vLLM's sampler.
     """
     if len(num_draft_tokens) != cu_num_draft_tokens.shape[0]:
         raise ValueError(f"rejection_sample: {len(num_draft_tokens)} draft counts but "
@@ -104,6 +116,14 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
                                 backend=backend)
         if all_greedy:
             return out
+    if from_logits is None:
+        from_logits = device.type == "cpu" and backend is None
+    if from_logits:
+        recovery_uniform = generate_recovery_uniforms(num_draft_tokens, generators, device)
+        return rejection_sample_from_logits(cu_num_draft_tokens, draft_token_ids, draft_probs,
+                                            target_logits, bonus_token_ids, uniform_probs,
+                                            recovery_uniform, max_spec_len, is_greedy,
+                                            out=out)
     target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
     inv_q = generate_recovery_noise(num_draft_tokens, target_probs.shape[1], generators, device,
                                     torch.float64 if use_fp64_gumbel else torch.float32)

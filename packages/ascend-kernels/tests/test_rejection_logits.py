@@ -1,0 +1,160 @@
+"""rejection_sample_from_logits: the same acceptance as the per-position ops, recovered tokens
+by inverse CDF of max(p - q, 0), ragged layout, greedy rows left alone, input checks."""
+
+import pytest
+import torch
+
+from ascend_kernels.rejection import (
+    PLACEHOLDER_TOKEN_ID,
+    generate_uniform_probs,
+    rejection_random_sample,
+)
+from ascend_kernels.rejection_logits import (
+    _inverse_cdf,
+    generate_recovery_uniforms,
+    rejection_sample_from_logits,
+)
+
+
+def case(seed, lengths, vocab=40, with_draft_probs=True):
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    cu = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    logits = torch.randn(tokens, vocab, generator=g) * 2
+    draft_probs = (torch.randn(tokens, vocab, generator=g).softmax(-1) if with_draft_probs
+                   else None)
+    drafts = torch.randint(0, vocab, (tokens,), generator=g, dtype=torch.int32)
+    bonus = torch.randint(0, vocab, (len(lengths),), generator=g)
+    uniform = torch.rand(tokens, generator=g, dtype=torch.float64)
+    recovery = torch.rand(len(lengths), generator=g, dtype=torch.float64)
+    return cu, drafts, draft_probs, logits, bonus, uniform, recovery
+
+
+def accepted_counts(out, bonus_or_recovered=True):
+    return [sum(1 for t in row if t != PLACEHOLDER_TOKEN_ID) - 1 for row in out.tolist()]
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_acceptance_equals_the_per_position_op(with_draft_probs):
+    lengths = [3, 0, 4, 1, 4, 2, 0, 4]
+    cu, drafts, draft_probs, logits, bonus, uniform, recovery = case(1, lengths,
+                                                                     with_draft_probs=True)
+    if not with_draft_probs:  # argmax-like drafts, so that some are accepted with q = 1
+        draft_probs = None
+        drafts = (logits * 3).argmax(-1).to(torch.int32)
+        logits = logits * 3
+    ours = rejection_sample_from_logits(cu, drafts, draft_probs, logits, bonus, uniform,
+                                        recovery, 4)
+    recovered_any = torch.zeros(len(drafts), dtype=torch.int32)  # only accepted parts compared
+    ops = rejection_random_sample(cu, drafts, draft_probs, logits.softmax(-1), bonus,
+                                  recovered_any, uniform, 4)
+    assert accepted_counts(ours) == accepted_counts(ops)
+    start = 0
+    for row, length in enumerate(lengths):
+        accepted = accepted_counts(ours)[row]
+        assert ours[row, :accepted].tolist() == drafts[start:start + accepted].tolist()
+        if accepted == length:
+            assert ours[row, length] == bonus[row]
+        start += length
+    assert 0 < sum(accepted_counts(ours)) < sum(lengths)  # both outcomes occurred
+
+
+def test_recovered_token_is_the_inverse_cdf_of_the_residual():
+    lengths = [2, 3, 1, 4]
+    cu, drafts, draft_probs, logits, bonus, uniform, recovery = case(2, lengths)
+    uniform.fill_(1.0 - 1e-12)  # every first draft with p < q rejects
+    out = rejection_sample_from_logits(cu, drafts, draft_probs, logits, bonus, uniform,
+                                       recovery, 4)
+    starts = [0] + cu.tolist()[:-1]
+    checked = 0
+    for row, start in enumerate(starts):
+        accepted = accepted_counts(out)[row]
+        if accepted == lengths[row]:
+            continue
+        flat = start + accepted
+        residual = (logits[flat].softmax(-1).double() - draft_probs[flat].double()).clamp(min=0)
+        cdf = residual.cumsum(0)
+        token = int(out[row, accepted])
+        threshold = float(recovery[row]) * float(cdf[-1])
+        assert residual[token] > 0
+        assert (cdf[token - 1] if token else 0.0) <= threshold + 1e-9
+        assert threshold < cdf[token] + 1e-9
+        checked += 1
+    assert checked >= 2
+
+
+def test_without_draft_probs_the_draft_token_is_never_recovered():
+    lengths = [1] * 200
+    cu, drafts, _, logits, bonus, uniform, recovery = case(3, lengths, vocab=5)
+    logits[:, :] = torch.tensor([2.0, 1.9, -5.0, -5.0, -5.0])
+    drafts.fill_(0)
+    out = rejection_sample_from_logits(cu, drafts, None, logits, bonus, uniform, recovery, 1)
+    rejected = out[:, 0] != 0
+    assert rejected.any() and (~rejected).any()
+    assert set(out[rejected, 0].tolist()) <= {1, 2, 3, 4}
+
+
+def test_greedy_rows_are_left_alone_and_empty_batches_work():
+    lengths = [2, 2, 0]
+    cu, drafts, draft_probs, logits, bonus, uniform, recovery = case(4, lengths)
+    out = torch.full((3, 3), 7, dtype=torch.int32)
+    is_greedy = torch.tensor([True, False, True])
+    rejection_sample_from_logits(cu, drafts, draft_probs, logits, bonus, uniform, recovery, 2,
+                                 is_greedy, out=out)
+    assert out[0].tolist() == [7, 7, 7] and out[2].tolist() == [7, 7, 7]
+    assert out[1].tolist() != [7, 7, 7]
+    empty = rejection_sample_from_logits(torch.zeros(0, dtype=torch.int32),
+                                         torch.zeros(0, dtype=torch.int32), None,
+                                         torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64),
+                                         torch.zeros(0, dtype=torch.float64),
+                                         torch.zeros(0, dtype=torch.float64), 0)
+    assert empty.shape == (0, 1)
+    no_drafts = rejection_sample_from_logits(torch.zeros(2, dtype=torch.int32),
+                                             torch.zeros(0, dtype=torch.int32), None,
+                                             torch.zeros(0, 8), torch.tensor([5, 6]),
+                                             torch.zeros(0, dtype=torch.float64),
+                                             torch.zeros(2, dtype=torch.float64), 0)
+    assert no_drafts.tolist() == [[5], [6]]
+
+
+def test_recovery_uniforms_skip_requests_without_drafts():
+    seeded = torch.Generator().manual_seed(9)
+    draws = generate_recovery_uniforms([0, 3, 2], {0: seeded, 1: torch.Generator()
+                                                   .manual_seed(9)})
+    assert draws[0] == 0  # no drafts: nothing drawn, its generator untouched
+    assert torch.equal(draws[1:2], generate_uniform_probs([1], {0: torch.Generator()
+                                                                .manual_seed(9)}))
+    assert torch.rand(1, generator=seeded) == torch.rand(
+        1, generator=torch.Generator().manual_seed(9))
+
+
+def test_bad_inputs_say_what_is_wrong():
+    cu, drafts, draft_probs, logits, bonus, uniform, recovery = case(5, [2, 1])
+    with pytest.raises(ValueError, match="recovery_uniform has shape"):
+        rejection_sample_from_logits(cu, drafts, draft_probs, logits, bonus, uniform,
+                                     recovery[:1], 2)
+    with pytest.raises(ValueError, match="target_logits has shape"):
+        rejection_sample_from_logits(cu, drafts, draft_probs, logits[:2], bonus, uniform,
+                                     recovery, 2)
+    with pytest.raises(ValueError, match="max_spec_len=1"):
+        rejection_sample_from_logits(cu, drafts, draft_probs, logits, bonus, uniform,
+                                     recovery, 1)
+
+
+@pytest.mark.parametrize("vocab", [1, 255, 256, 1000, 4099])
+def test_two_level_inverse_cdf_equals_one_running_sum(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    # Small integer weights keep every sum exact, so both ways must pick the same token;
+    # whole stretches without weight (more than a block) test the skipping.
+    weights = torch.randint(0, 4, (64, vocab), generator=g).float()
+    weights[:, vocab // 4: vocab // 2] = 0
+    weights[:, -1] += 1  # every row has some weight
+    uniforms = torch.rand(64, generator=g, dtype=torch.float64)
+    uniforms[:3] = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.5])
+    picked, total = _inverse_cdf(weights, uniforms)
+    cdf = weights.double().cumsum(dim=1)
+    expected = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True)
+    expected = expected.squeeze(1).clamp(max=vocab - 1)
+    assert torch.equal(picked, expected)
+    assert torch.equal(total, cdf[:, -1])
+    assert (weights.gather(1, picked.unsqueeze(1)) > 0).all()
