@@ -326,7 +326,7 @@ def _new_worker(config: VllmConfig, local_rank: int):
     return NPUWorker(config, local_rank=local_rank, rank=0, distributed_init_method=init_method)
 
 
-def test_worker_sets_up_device_hccl_and_memory_then_names_the_missing_runner(
+def test_worker_sets_up_device_hccl_and_memory_then_builds_the_npu_runner(
     on_npu_platform, reference, monkeypatch, tiny_model_dir, distributed_cleanup
 ):
     monkeypatch.setenv("TORCH_NPU_REFERENCE_DEVICE_COUNT", "4")
@@ -337,8 +337,13 @@ def test_worker_sets_up_device_hccl_and_memory_then_names_the_missing_runner(
     assert config.parallel_config.worker_cls == "ascend_core.worker.npu_worker.NPUWorker"
     worker = _new_worker(config, local_rank=1)  # physical NPU 3 = visible npu:1
 
-    with set_current_vllm_config(config), pytest.raises(NotImplementedError, match="model runner"):
+    with set_current_vllm_config(config):
         worker.init_device()
+
+    from ascend_core.worker.npu_model_runner import NPUModelRunner
+
+    assert type(worker.model_runner) is NPUModelRunner
+    assert worker.model_runner.device == torch.device("npu", 1)
 
     assert worker.device == torch.device("npu", 1)
     assert torch.npu.current_device() == 1

@@ -50,6 +50,7 @@ DEFAULT_BLOCK_SIZE = 128
 # fragments of fixed-size ones, which matters for a KV cache sized to most of the HBM.
 ALLOC_CONF_VAR = "PYTORCH_NPU_ALLOC_CONF"
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
+V2_MODEL_RUNNER_VAR = "VLLM_USE_V2_MODEL_RUNNER"
 
 # aclnn kernels on Atlas 300I (Ascend 310P) take float16 and float32 only.
 _NO_BFLOAT16_CHIPS = ("310P",)
@@ -195,6 +196,9 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = NPU_WORKER
+        # NPUModelRunner subclasses vLLM's V1 runner; the engine's scheduler must agree
+        # (VllmConfig.use_v2_model_runner reads this variable).
+        os.environ.setdefault(V2_MODEL_RUNNER_VAR, "0")
 
         cache_config = vllm_config.cache_config
         if cache_config.block_size is None or not getattr(

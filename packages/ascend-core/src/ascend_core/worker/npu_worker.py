@@ -1,28 +1,41 @@
 """The npu target's worker: vLLM's GPU worker with its device set up through torch_npu.
 
-Written so far: device initialisation. ``init_device`` selects the worker's NPU
-(``torch.npu.set_device``), brings up the distributed environment over HCCL with vLLM's
-``init_worker_distributed_environment``, seeds the generators and takes a memory snapshot
-with ``torch.npu.mem_get_info``, refusing to start when the NPU has less free memory than
-``gpu_memory_utilization`` asks for.
+``init_device`` checks that this node shows enough NPUs for the parallel layout, selects
+the worker's NPU (``torch.npu.set_device``), brings up the distributed environment over
+HCCL with vLLM's ``init_worker_distributed_environment``, seeds the generators, takes a
+memory snapshot with ``torch.npu.mem_get_info`` (refusing to start when the NPU has less
+free memory than ``gpu_memory_utilization`` asks for) and builds the
+``NPUModelRunner``.
 
-Not written yet (a later issue): the NPU model runner, ACL graph capture, KV-cache memory
-profiling and data parallelism within a node. ``init_device`` therefore stops with a
-``NotImplementedError`` naming the missing model runner once the device is up.
+``determine_available_memory`` sizes the KV cache from ``torch.npu``'s memory numbers: the
+drop in free memory from the start-up snapshot to the end of a profiling run (weights and
+memory held outside torch) plus the profiling run's transient peak
+(``max_memory_allocated`` over what stays allocated) are taken from the requested memory.
+
+Not done yet: sleep mode (it needs an NPU memory pool that can release and restore
+allocations) and data parallelism within a node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from vllm.config import set_current_vllm_config
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
 from ascend_core.config import init_ascend_config
 from ascend_core.platform.npu import AscendPlatform
+from ascend_core.worker.npu_model_runner import NPUModelRunner, npu_device_names
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,11 +58,72 @@ class NPUMemorySnapshot:
         )
 
 
+@dataclass(frozen=True)
+class NPUMemoryProfile:
+    """What a profiling run tells about the memory the KV cache may not use, in bytes."""
+
+    consumed: int  # free memory at start-up minus free memory after profiling
+    transient_peak: int  # the run's peak allocation above what stays allocated after it
+    after: NPUMemorySnapshot
+
+    @property
+    def non_kv_cache_memory(self) -> int:
+        return self.consumed + self.transient_peak
+
+
+def profile_npu_memory(
+    device: torch.device, baseline: NPUMemorySnapshot, run: Callable[[], None]
+) -> NPUMemoryProfile:
+    """Run ``run`` (a forward pass of the largest batch) and measure it with ``torch.npu``."""
+    gc.collect()
+    torch.npu.empty_cache()
+    torch.npu.reset_peak_memory_stats(device)
+    run()
+    torch.npu.synchronize(device)
+    peak = torch.npu.max_memory_allocated(device)
+    gc.collect()
+    torch.npu.empty_cache()
+    after = NPUMemorySnapshot.measure(device)
+    consumed = baseline.free_memory - after.free_memory
+    if consumed < 0:
+        raise RuntimeError(
+            f"Free memory on {device} grew during profiling (from {baseline.free_memory} to "
+            f"{after.free_memory} bytes): another process released NPU memory meanwhile, so "
+            "the KV cache cannot be sized. Run vLLM on NPUs no other process uses, or pass "
+            "kv_cache_memory_bytes."
+        )
+    return NPUMemoryProfile(
+        consumed=consumed, transient_peak=max(peak - after.torch_allocated, 0), after=after
+    )
+
+
+def check_npus_for_layout(parallel_config, local_rank: int) -> int:
+    """The number of NPUs this process sees; ValueError when the layout needs more."""
+    visible = torch.npu.device_count()
+    needed = parallel_config.local_world_size
+    if needed > visible or local_rank >= visible:
+        layout = (f"tensor_parallel_size={parallel_config.tensor_parallel_size} x "
+                  f"pipeline_parallel_size={parallel_config.pipeline_parallel_size}")
+        shown = os.environ.get(AscendPlatform.device_control_env_var)
+        raise ValueError(
+            f"The parallel layout ({layout}) needs {needed} NPUs on this node and this worker "
+            f"is local rank {local_rank}, but only {visible} NPU(s) are visible "
+            f"({AscendPlatform.device_control_env_var}={shown!r}). Make {needed} NPUs visible "
+            "or lower tensor_parallel_size / pipeline_parallel_size."
+        )
+    return visible
+
+
 class NPUWorker(Worker):
     def __init__(self, vllm_config, *args, **kwargs):
         # Workers run in their own processes: parse additional_config here too.
         init_ascend_config(vllm_config.additional_config, target="npu")
         super().__init__(vllm_config, *args, **kwargs)
+        if self.use_v2_model_runner:
+            raise ValueError(
+                "The npu target runs vLLM's V1 model runner (NPUModelRunner); unset "
+                "VLLM_USE_V2_MODEL_RUNNER or set it to 0."
+            )
 
     def init_device(self) -> None:
         self.init_npu_device()
@@ -63,6 +137,7 @@ class NPUWorker(Worker):
                 f"(data_parallel_size={self.parallel_config.data_parallel_size}); "
                 "run with data_parallel_size=1."
             )
+        check_npus_for_layout(self.parallel_config, self.local_rank)
         visible_index = AscendPlatform.logical_device_id_to_visible_device_id(self.local_rank)
         self.device = torch.device(AscendPlatform.device_type, visible_index)
         AscendPlatform.set_device(self.device)
@@ -87,6 +162,8 @@ class NPUWorker(Worker):
         gc.collect()
         AscendPlatform.empty_cache()
         self.init_npu_snapshot = NPUMemorySnapshot.measure(self.device)
+        # vLLM's Worker reads free_memory / total_memory of init_snapshot in its logs.
+        self.init_snapshot = self.init_npu_snapshot
         self.requested_memory = self._requested_memory(self.init_npu_snapshot)
 
     def _requested_memory(self, snapshot: NPUMemorySnapshot) -> int:
@@ -102,8 +179,73 @@ class NPUWorker(Worker):
         return requested
 
     def _init_workspace_and_model_runner(self) -> None:
+        with npu_device_names():
+            super()._init_workspace_and_model_runner()
+
+    def _make_model_runner(self) -> NPUModelRunner:
+        return NPUModelRunner(self.vllm_config, self.device)
+
+    def _maybe_get_memory_pool_context(self, tag: str) -> contextlib.AbstractContextManager:
+        # vLLM's sleep-mode pools are CUDA (cumem) or XPU allocators; the npu target
+        # allocates through the NPU caching allocator directly.
+        return contextlib.nullcontext()
+
+    def load_model(self, *args, **kwargs) -> None:
+        with npu_device_names():
+            super().load_model(*args, **kwargs)
+
+    @torch.inference_mode()
+    def determine_available_memory(self) -> int:
+        """Bytes the KV cache may take: the requested memory less the profiled rest."""
+        run = self._profile_run
+        if kv_cache_memory_bytes := self.cache_config.kv_cache_memory_bytes:
+            run()  # still run the largest batch once, as vLLM does
+            logger.info("KV cache: %d bytes, as kv_cache_memory_bytes asks (not profiled).",
+                        kv_cache_memory_bytes)
+            return kv_cache_memory_bytes
+
+        profile = profile_npu_memory(self.device, self.init_npu_snapshot, run)
+        available = self.requested_memory - profile.non_kv_cache_memory
+        self.total_consumed = profile.consumed
+        self.peak_activation_memory = profile.transient_peak
+        self.available_kv_cache_memory_bytes = available
+        logger.info(
+            "npu memory: %d bytes requested (gpu_memory_utilization=%s of %d), %d consumed by "
+            "weights and runtime, %d peak activations; %d bytes for the KV cache.",
+            self.requested_memory, self.cache_config.gpu_memory_utilization,
+            self.init_npu_snapshot.total_memory, profile.consumed, profile.transient_peak,
+            available)
+        if available <= 0:
+            raise ValueError(
+                f"No NPU memory is left for the KV cache on {self.device}: "
+                f"gpu_memory_utilization={self.cache_config.gpu_memory_utilization} requests "
+                f"{self.requested_memory} bytes, and the model takes {profile.consumed} bytes "
+                f"(weights and runtime) plus {profile.transient_peak} bytes of activations at "
+                "its largest batch. Raise gpu_memory_utilization, or lower "
+                "max_num_batched_tokens / max_model_len."
+            )
+        return available
+
+    def _profile_run(self) -> None:
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.profile_run(randomize_inputs=self.randomize_dummy_inputs)
+
+    def compile_or_warm_up_model(self):
+        with npu_device_names():
+            return super().compile_or_warm_up_model()
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        with npu_device_names():
+            super().initialize_from_config(kv_cache_config)
+
+    def sleep(self, level: int = 1) -> None:
         raise NotImplementedError(
-            f"{self.device} is initialised, but the npu target has no model runner yet "
-            "(ascend_core.worker.npu_model_runner is a later issue); the npu target cannot "
-            "load or run a model. Use VLLM_ASCEND_TARGET=host meanwhile."
+            "Sleep mode is not available on the npu target yet: it needs an NPU memory pool "
+            "that releases and restores the weights and KV cache. Run without "
+            "enable_sleep_mode."
+        )
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        raise NotImplementedError(
+            "Sleep mode is not available on the npu target yet (see NPUWorker.sleep)."
         )

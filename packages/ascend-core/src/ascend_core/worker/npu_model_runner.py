@@ -1,0 +1,239 @@
+"""The npu target's model runner: vLLM's GPU model runner with its device glue on torch.npu.
+
+vLLM's ``GPUModelRunner`` does the scheduling bookkeeping, input preparation, sampling and
+speculative decoding for any device; what ties it to CUDA is a handful of names: streams and
+events (``torch.cuda.Stream``, ``torch.cuda.Event``, ``torch.Event``,
+``torch.cuda.current_stream``, ``torch.cuda.stream``) and device-wide calls through
+``torch.accelerator`` (synchronise, empty the cache, memory info). ``npu_device_names``
+points those names at torch_npu's documented ``torch.npu`` equivalents while the runner
+works, the way vLLM's own ``CPUModelRunner`` swaps them for placeholders. Everything else
+-- pinned host buffers, KV-cache allocation in the layout the attention backend declares,
+the dummy and profiling runs -- is vLLM's own code running on the ``npu`` device.
+
+Graph capture: the runner plans the decode batch sizes it would capture
+(``plan_decode_capture_sizes``, from ``max_num_seqs`` and the speculative tokens) and checks
+them against the KV cache once it is allocated (``check_capture_sizes_fit_cache``). Capture
+and replay themselves are not done yet: the npu platform runs eagerly, and ``capture_model``
+says so.
+
+The speculative proposer and rejection sampler come from core's registries through the same
+hooks the host runner uses (``ascend_core.worker.speculative``); quantization and EPLB run
+through vLLM's model loading and ``EplbState``, which this runner inherits unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from ascend_core.worker.speculative import (
+    install_registered_proposer,
+    install_registered_rejection_sampler,
+    vllm_proposer_deferred,
+)
+
+logger = logging.getLogger(__name__)
+
+# Request counts of the decode batches planned for graph capture: 1, 2, 4, then steps of 8
+# up to 256, then steps of 16 -- the grid vLLM uses for CUDA graphs, in requests.
+_SMALL_REQUEST_COUNTS = (1, 2, 4)
+_MEDIUM_STEP, _MEDIUM_LIMIT, _LARGE_STEP = 8, 256, 16
+
+
+def _npu_name_map() -> dict[tuple[Any, str], Any]:
+    """(owner, attribute) -> the torch.npu object that stands in for it."""
+    npu = torch.npu
+    return {
+        (torch.cuda, "Stream"): npu.Stream,
+        (torch.cuda, "Event"): npu.Event,
+        (torch.cuda, "current_stream"): npu.current_stream,
+        (torch.cuda, "stream"): npu.stream,
+        (torch, "Event"): _npu_event,
+        (torch.accelerator, "synchronize"): npu.synchronize,
+        (torch.accelerator, "empty_cache"): npu.empty_cache,
+        (torch.accelerator, "get_memory_info"): npu.mem_get_info,
+        (torch.accelerator, "memory_allocated"): npu.memory_allocated,
+        (torch.accelerator, "memory_reserved"): npu.memory_reserved,
+        (torch.accelerator, "max_memory_allocated"): npu.max_memory_allocated,
+        (torch.accelerator, "reset_peak_memory_stats"): npu.reset_peak_memory_stats,
+        (torch.accelerator, "device_count"): npu.device_count,
+    }
+
+
+def _npu_event(device: Any = None, *, enable_timing: bool = False, blocking: bool = False,
+               interprocess: bool = False) -> Any:
+    """``torch.Event`` (device-generic) answered by ``torch.npu.Event``."""
+    if device is not None and torch.device(device).type != "npu":
+        raise ValueError(f"torch.Event on {device!r} inside the npu model runner; the runner's "
+                         "events are NPU events.")
+    return torch.npu.Event(enable_timing=enable_timing, blocking=blocking,
+                           interprocess=interprocess)
+
+
+@contextlib.contextmanager
+def npu_device_names() -> Iterator[None]:
+    """Point the CUDA stream/event names and ``torch.accelerator``'s device calls that
+    vLLM's GPU runner uses at ``torch.npu`` for the duration (re-entrant)."""
+    replacements = _npu_name_map()
+    saved = {key: getattr(*key) for key in replacements}
+    for (owner, name), value in replacements.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+
+
+def _on_npu(method: Callable) -> Callable:
+    """Run a GPUModelRunner entry point with ``npu_device_names`` in force."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with npu_device_names():
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+# --- graph capture sizes ---------------------------------------------------------------------
+
+
+def plan_decode_capture_sizes(
+    max_num_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int
+) -> list[int]:
+    """Token counts of the decode batches to capture as graphs, ascending.
+
+    A decode step carries ``1 + num_speculative_tokens`` tokens per request (the verified
+    token and the drafts), so sizes are request counts -- 1, 2, 4, 8, 16, ... up to
+    ``max_num_seqs``, which is always included -- times that query length, dropping those
+    above ``max_num_batched_tokens`` (such a batch is never scheduled).
+    """
+    for name, value, least in (("max_num_seqs", max_num_seqs, 1),
+                               ("num_speculative_tokens", num_speculative_tokens, 0),
+                               ("max_num_batched_tokens", max_num_batched_tokens, 1)):
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}={value!r}: expected an integer >= {least}.")
+    query_len = 1 + num_speculative_tokens
+    counts = {n for n in _SMALL_REQUEST_COUNTS if n <= max_num_seqs}
+    counts.update(range(_MEDIUM_STEP, min(max_num_seqs, _MEDIUM_LIMIT - 1) + 1, _MEDIUM_STEP))
+    counts.update(range(_MEDIUM_LIMIT, max_num_seqs + 1, _LARGE_STEP))
+    counts.add(max_num_seqs)
+    return sorted(n * query_len for n in counts if n * query_len <= max_num_batched_tokens)
+
+
+def blocks_for_capture_size(size: int, query_len: int, block_size: int) -> int:
+    """KV-cache blocks a captured decode batch of ``size`` tokens holds at the least: each of
+    its ``size / query_len`` requests has its own blocks, enough for its query tokens."""
+    requests = math.ceil(size / query_len)
+    return requests * math.ceil(query_len / block_size)
+
+
+def check_capture_sizes_fit_cache(
+    sizes: list[int], query_len: int, num_blocks: int, block_size: int
+) -> None:
+    """Raise ``ValueError`` for the first capture size the KV cache cannot hold.
+
+    Block 0 of vLLM's cache is its null block, so ``num_blocks - 1`` blocks hold requests.
+    """
+    usable = num_blocks - 1
+    blocks_per_request = math.ceil(query_len / block_size)
+    for size in sorted(sizes):
+        needed = blocks_for_capture_size(size, query_len, block_size)
+        if needed > usable:
+            raise ValueError(
+                f"Graph capture size {size} ({math.ceil(size / query_len)} requests of "
+                f"{query_len} tokens) needs at least {needed} KV-cache blocks of "
+                f"{block_size} tokens, but the cache has {usable} usable blocks "
+                f"({num_blocks} minus vLLM's null block). Lower max_num_seqs to at most "
+                f"{usable // blocks_per_request}, give the KV cache more memory "
+                "(gpu_memory_utilization or kv_cache_memory_bytes), or pass enforce_eager=True."
+            )
+
+
+# --- the runner ------------------------------------------------------------------------------
+
+
+class NPUModelRunner(GPUModelRunner):
+    def __init__(self, vllm_config, device: torch.device):
+        if device.type != "npu":
+            raise ValueError(f"NPUModelRunner runs on an npu device, got {device}.")
+        with npu_device_names(), vllm_proposer_deferred(vllm_config):
+            super().__init__(vllm_config, device)
+        self.proposer_source = install_registered_proposer(self)
+        self.rejection_sampler_source = install_registered_rejection_sampler(self)
+        self.decode_query_len = 1 + (self.num_spec_tokens or 0)
+        self.graph_capture_sizes = self._plan_graph_capture_sizes()
+
+    def _plan_graph_capture_sizes(self) -> list[int]:
+        """The decode sizes graph mode will capture; empty when the model runs eagerly."""
+        if self.model_config.enforce_eager:
+            return []
+        return plan_decode_capture_sizes(
+            self.scheduler_config.max_num_seqs,
+            self.decode_query_len - 1,
+            self.scheduler_config.max_num_batched_tokens,
+        )
+
+    # vLLM's device synchronisation, for the steps that wait on the device.
+    def _sync_device(self) -> None:
+        torch.npu.synchronize(self.device)
+
+    @_on_npu
+    def load_model(self, *args, **kwargs):
+        return super().load_model(*args, **kwargs)
+
+    @_on_npu
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        result = super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        if self.graph_capture_sizes and not kwargs.get("is_profiling", False):
+            check_capture_sizes_fit_cache(
+                self.graph_capture_sizes,
+                self.decode_query_len,
+                kv_cache_config.num_blocks,
+                self.cache_config.block_size,
+            )
+        return result
+
+    @_on_npu
+    def execute_model(self, *args, **kwargs):
+        return super().execute_model(*args, **kwargs)
+
+    @_on_npu
+    def sample_tokens(self, *args, **kwargs):
+        return super().sample_tokens(*args, **kwargs)
+
+    @_on_npu
+    def take_draft_token_ids(self, *args, **kwargs):
+        return super().take_draft_token_ids(*args, **kwargs)
+
+    @_on_npu
+    def profile_run(self, *args, **kwargs):
+        return super().profile_run(*args, **kwargs)
+
+    @_on_npu
+    def _dummy_run(self, *args, **kwargs):
+        return super()._dummy_run(*args, **kwargs)
+
+    @_on_npu
+    def _dummy_sampler_run(self, *args, **kwargs):
+        return super()._dummy_sampler_run(*args, **kwargs)
+
+    @_on_npu
+    def shutdown(self, *args, **kwargs):
+        return super().shutdown(*args, **kwargs)
+
+    def capture_model(self) -> int:
+        """Graph capture: not done yet on the npu target, which runs every batch eagerly."""
+        if self.graph_capture_sizes:
+            logger.info(
+                "npu target: NPU graph capture is not implemented yet; the decode sizes %s "
+                "(checked against the KV cache) run eagerly.", self.graph_capture_sizes)
+        return 0

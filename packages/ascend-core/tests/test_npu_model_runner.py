@@ -1,0 +1,153 @@
+"""The npu worker's model runner: capture-size planning, the torch.npu name mapping, and the
+worker's checks, run on the reference torch_npu.
+
+End-to-end runs of the runner through vLLM: tests/e2e/test_npu_target.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ascend_core.worker.npu_model_runner import (
+    blocks_for_capture_size,
+    check_capture_sizes_fit_cache,
+    plan_decode_capture_sizes,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+REFERENCE_PATH = str(REPO_ROOT / "testing" / "reference_torch_npu")
+NPU_MODULES = (
+    "ascend_core.platform.npu",
+    "ascend_core.worker.npu_worker",
+    "ascend_core.distributed.npu_communicator",
+)
+
+
+# --- capture sizes ---------------------------------------------------------------------------
+
+
+def test_capture_sizes_are_request_counts_times_the_decode_query_length():
+    assert plan_decode_capture_sizes(8, 0, 8192) == [1, 2, 4, 8]
+    # max_num_seqs is always a size, off the grid or not.
+    assert plan_decode_capture_sizes(20, 0, 8192) == [1, 2, 4, 8, 16, 20]
+    # Two drafts per request: three tokens per request in a decode step.
+    assert plan_decode_capture_sizes(20, 2, 8192) == [3, 6, 12, 24, 48, 60]
+    large = plan_decode_capture_sizes(300, 0, 8192)
+    assert large[:5] == [1, 2, 4, 8, 16]
+    assert large[-5:] == [248, 256, 272, 288, 300]
+    assert all(b - a == 8 for a, b in zip(large[3:34], large[4:35], strict=True))
+
+
+def test_capture_sizes_stop_at_the_batch_token_limit():
+    # 64 requests of 4 tokens would be 256 tokens; only batches of <= 100 tokens are scheduled.
+    assert plan_decode_capture_sizes(64, 3, 100) == [4, 8, 16, 32, 64, 96]
+
+
+@pytest.mark.parametrize("args", [(0, 0, 8), (4, -1, 8), (4, 0, 0), (4.0, 0, 8)])
+def test_capture_size_planning_rejects_bad_input(args):
+    with pytest.raises(ValueError, match="expected an integer"):
+        plan_decode_capture_sizes(*args)
+
+
+def test_blocks_for_a_capture_size():
+    assert blocks_for_capture_size(8, query_len=1, block_size=128) == 8
+    assert blocks_for_capture_size(12, query_len=3, block_size=128) == 4
+    # A request whose query spans two blocks holds two.
+    assert blocks_for_capture_size(400, query_len=200, block_size=128) == 4
+
+
+def test_capture_sizes_the_cache_holds_pass():
+    check_capture_sizes_fit_cache([1, 2, 4, 8], query_len=1, num_blocks=9, block_size=128)
+    check_capture_sizes_fit_cache([3, 6], query_len=3, num_blocks=3, block_size=128)
+
+
+def test_a_capture_size_larger_than_the_cache_allows_is_a_clear_error():
+    with pytest.raises(ValueError) as raised:
+        check_capture_sizes_fit_cache([1, 2, 4, 8, 16], query_len=1, num_blocks=6,
+                                      block_size=128)
+    message = str(raised.value)
+    assert "Graph capture size 8 (8 requests of 1 tokens)" in message
+    assert "needs at least 8 KV-cache blocks" in message
+    assert "5 usable blocks" in message
+    assert "max_num_seqs to at most 5" in message
+    assert "enforce_eager=True" in message
+
+
+def test_speculative_capture_sizes_are_checked_in_requests():
+    # 12 tokens of 4-token decode queries are 3 requests: 3 blocks, and the cache has 2.
+    with pytest.raises(ValueError, match="Graph capture size 12 \\(3 requests of 4 tokens\\)"):
+        check_capture_sizes_fit_cache([4, 8, 12], query_len=4, num_blocks=3, block_size=128)
+
+
+# --- on the reference torch_npu --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference_npu():
+    """torch_npu imported from the reference, dropped again when the module's tests end."""
+    from transformers.utils import import_utils
+
+    # transformers decides once per process whether torch_npu exists; decide it first.
+    import_utils.is_torch_npu_available()
+    import_utils.is_torch_npu_available(check_device=True)
+    sys.path.insert(0, REFERENCE_PATH)
+    importlib.invalidate_caches()
+    try:
+        yield importlib.import_module("torch_npu")
+    finally:
+        for name in NPU_MODULES:
+            sys.modules.pop(name, None)
+        if "torch_npu" in sys.modules:
+            importlib.import_module("torch_npu._reference").uninstall()
+        sys.path.remove(REFERENCE_PATH)
+
+
+def test_device_names_point_at_torch_npu_and_are_restored(reference_npu):
+    from ascend_core.worker.npu_model_runner import npu_device_names
+
+    before = (torch.cuda.Stream, torch.cuda.Event, torch.cuda.current_stream, torch.Event,
+              torch.accelerator.synchronize, torch.accelerator.get_memory_info)
+    with npu_device_names():
+        assert torch.cuda.Stream is torch.npu.Stream
+        assert torch.cuda.Event is torch.npu.Event
+        assert torch.cuda.current_stream is torch.npu.current_stream
+        assert torch.cuda.stream is torch.npu.stream
+        assert torch.accelerator.synchronize is torch.npu.synchronize
+        assert torch.accelerator.get_memory_info is torch.npu.mem_get_info
+        with npu_device_names():  # re-entrant: an entry point calling another
+            event = torch.Event()
+        assert isinstance(event, torch.npu.Event)
+        assert isinstance(torch.cuda.Event(blocking=True), torch.npu.Event)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            assert torch.cuda.current_stream() == stream
+        assert torch.accelerator.get_memory_info() == torch.npu.mem_get_info()
+        with pytest.raises(ValueError, match="NPU events"):
+            torch.Event("cpu")
+    after = (torch.cuda.Stream, torch.cuda.Event, torch.cuda.current_stream, torch.Event,
+             torch.accelerator.synchronize, torch.accelerator.get_memory_info)
+    assert after == before
+
+
+def test_too_few_npus_for_the_parallel_layout_is_a_clear_error(reference_npu, monkeypatch):
+    from vllm.config import ParallelConfig
+
+    from ascend_core.worker.npu_worker import check_npus_for_layout
+
+    monkeypatch.setenv("TORCH_NPU_REFERENCE_DEVICE_COUNT", "4")
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "1")
+    layout = ParallelConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError) as raised:
+        check_npus_for_layout(layout, local_rank=0)
+    message = str(raised.value)
+    assert "tensor_parallel_size=2 x pipeline_parallel_size=1" in message
+    assert "needs 2 NPUs" in message
+    assert "only 1 NPU(s) are visible" in message
+    assert "ASCEND_RT_VISIBLE_DEVICES='1'" in message
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "1,3")
+    assert check_npus_for_layout(layout, local_rank=1) == 2
