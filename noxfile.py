@@ -119,7 +119,8 @@ def core(session: nox.Session) -> None:
     """ascend-core: its platform, worker and custom-op modules face vLLM."""
     _install_torch(session)
     _install_vllm(session)
-    session.install("pytest", *_local(*SIBLINGS["ascend-core"], "ascend-core"))
+    # ninja: the reference torch_npu compiles its npu device with cpp_extension.load.
+    session.install("pytest", "ninja", *_local(*SIBLINGS["ascend-core"], "ascend-core"))
     session.run("pytest", str(PACKAGES / "ascend-core" / "tests"), str(ROOT / "testing"),
                 "-q", *session.posargs)
 

@@ -53,9 +53,10 @@ def test_import_registers_torch_npu_and_the_npu_device(torch_npu):
     assert torch._C._get_privateuse1_backend_name() == "npu"
 
 
-def test_tensors_on_the_npu_device_are_refused_with_the_reason(torch_npu):
-    with pytest.raises(NotImplementedError, match="no NPU memory"):
-        torch.zeros(2, device="npu:0")
+def test_tensors_live_on_the_npu_device(torch_npu):
+    tensor = torch.zeros(2, device="npu:0")
+    assert tensor.device == torch.device("npu", 0) and tensor.is_npu
+    assert torch.npu.memory_allocated() == 8
 
 
 def test_hccl_backend_runs_collectives_on_cpu_tensors(torch_npu):
@@ -75,6 +76,8 @@ def test_uninstall_leaves_no_npu_and_a_new_import_reinstalls(torch_npu):
     assert "torch_npu" not in sys.modules
     assert not torch.npu.is_available()
     assert not torch.accelerator.is_available()
+    with pytest.raises(RuntimeError, match="uninstalled"):
+        torch.zeros(2, device="npu:0")
     again = importlib.import_module("torch_npu")
     assert again is not torch_npu
     assert torch.npu is again.npu and torch.npu.is_available()

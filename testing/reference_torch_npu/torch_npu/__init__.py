@@ -12,10 +12,13 @@ What importing it does (see ``torch_npu._registration``):
 - registers ``torch_npu.npu`` as ``torch.npu``;
 - registers the ``hccl`` distributed backend, which is gloo underneath.
 
-The "npu" device is modelled honestly as the CPU: torch cannot hold tensors on a
-PrivateUse1 device without a compiled backend, so creating one raises
-``NotImplementedError`` saying so, and the reference's functions take CPU tensors.
-Device count, names, properties and memory numbers come from a modelled machine
+Tensors live on the "npu" device in host memory: a small C++ extension
+(``csrc/reference_device.cpp``, compiled on first import, see ``torch_npu._device_ext``)
+gives torch's PrivateUse1 backend an allocator accounted per NPU, a device guard, the
+factory/copy/resize kernels and a fallback that runs torch's CPU kernel for every other op
+(custom ops registered for CPU included). The torch_npu functions take npu tensors (or CPU
+ones) and return results on their device (``torch_npu._on_device``). Device count, names,
+properties and memory numbers come from a modelled machine
 configured by environment variables, read at each call:
 
 =====================================  ===========================================
@@ -25,46 +28,54 @@ configured by environment variables, read at each call:
 ``TORCH_NPU_REFERENCE_DEVICE_NAME``    device name ("Ascend910B-reference")
 =====================================  ===========================================
 
-Memory is accounted by a modelled caching allocator that tests drive through
-``torch_npu._reference`` (``simulate_allocation`` / ``simulate_free``), which also has
-``reset_state()`` and ``uninstall()``.
+Memory is accounted by a modelled caching allocator fed by the real npu allocations; tests
+may add modelled bytes through ``torch_npu._reference`` (``simulate_allocation`` /
+``simulate_free``), which also has ``reset_state()`` and ``uninstall()``.
 
-Modelled: ``torch.npu`` device selection, properties, memory statistics, streams, events
-and seeding; ``torch_npu.npu_rms_norm`` and ``torch_npu.npu_swiglu``; the norm, quant and
+Modelled: ``torch.npu`` device selection, properties, memory statistics, streams, events,
+seeding and graphs (``NPUGraph``, ``graph``; capture records, replay re-runs);
+``torch_npu.npu_rms_norm`` and ``torch_npu.npu_swiglu``; the norm, quant and
 rotary ops of ``_ops_norm_quant``, the routing ops of ``_ops_routing`` and the weight
 quantization and grouped-matmul ops of ``_ops_quant``; the paged KV-cache write and fused
-inference attention of ``_ops_attention``. Not modelled: tensors
-on the npu device, NPU graphs, profiling, formats (``npu_format_cast``), every other fused
+inference attention of ``_ops_attention``. Not modelled:
+profiling, formats (``npu_format_cast``), every other fused
 op; those names are absent, so their use fails. The exception is a name that libraries
 import eagerly when torch_npu is importable (transformers imports ``npu_fusion_attention``):
 it exists and raises ``NotImplementedError`` when called (``torch_npu._unmodelled``).
 """
 
-from torch_npu import _reference, npu  # noqa: F401 - _reference: test controls
-from torch_npu._ops import npu_rms_norm, npu_swiglu
-from torch_npu._ops_attention import npu_fused_infer_attention_score, npu_scatter_pa_kv_cache
-from torch_npu._ops_norm_quant import (
-    npu_add_rms_norm,
-    npu_add_rms_norm_dynamic_quant,
-    npu_add_rms_norm_quant,
-    npu_apply_rotary_pos_emb,
-    npu_dynamic_quant,
-    npu_quant_matmul,
-    npu_rotary_mul,
+from torch_npu import (  # noqa: F401 - _reference: test controls
+           _ops,
+           _ops_attention,
+           _ops_norm_quant,
+           _ops_quant,
+           _ops_routing,
+           _reference,
+           npu,
 )
-from torch_npu._ops_quant import (
-    npu_convert_weight_to_int4pack,
-    npu_grouped_matmul,
-    npu_quantize,
-    npu_weight_quant_batchmatmul,
-)
-from torch_npu._ops_routing import (
-    npu_moe_gating_top_k,
-    npu_moe_gating_top_k_softmax,
-    npu_top_k_top_p,
-)
+from torch_npu._on_device import on_device as _on_device
 from torch_npu._registration import install as _install
 from torch_npu._unmodelled import npu_fusion_attention
+
+# Each function takes npu tensors (host views underneath) or CPU tensors; see _on_device.
+npu_rms_norm = _on_device(_ops.npu_rms_norm)
+npu_swiglu = _on_device(_ops.npu_swiglu)
+npu_fused_infer_attention_score = _on_device(_ops_attention.npu_fused_infer_attention_score)
+npu_scatter_pa_kv_cache = _on_device(_ops_attention.npu_scatter_pa_kv_cache)
+npu_add_rms_norm = _on_device(_ops_norm_quant.npu_add_rms_norm)
+npu_add_rms_norm_dynamic_quant = _on_device(_ops_norm_quant.npu_add_rms_norm_dynamic_quant)
+npu_add_rms_norm_quant = _on_device(_ops_norm_quant.npu_add_rms_norm_quant)
+npu_apply_rotary_pos_emb = _on_device(_ops_norm_quant.npu_apply_rotary_pos_emb)
+npu_dynamic_quant = _on_device(_ops_norm_quant.npu_dynamic_quant)
+npu_quant_matmul = _on_device(_ops_norm_quant.npu_quant_matmul)
+npu_rotary_mul = _on_device(_ops_norm_quant.npu_rotary_mul)
+npu_convert_weight_to_int4pack = _on_device(_ops_quant.npu_convert_weight_to_int4pack)
+npu_grouped_matmul = _on_device(_ops_quant.npu_grouped_matmul)
+npu_quantize = _on_device(_ops_quant.npu_quantize)
+npu_weight_quant_batchmatmul = _on_device(_ops_quant.npu_weight_quant_batchmatmul)
+npu_moe_gating_top_k = _on_device(_ops_routing.npu_moe_gating_top_k)
+npu_moe_gating_top_k_softmax = _on_device(_ops_routing.npu_moe_gating_top_k_softmax)
+npu_top_k_top_p = _on_device(_ops_routing.npu_top_k_top_p)
 
 __version__ = "2.13.0+reference"
 

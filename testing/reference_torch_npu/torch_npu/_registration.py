@@ -7,15 +7,17 @@ Like torch_npu, the reference
 2. registers ``torch_npu.npu`` as ``torch.npu`` (``torch._register_device_module``);
 3. registers the ``hccl`` distributed backend (``torch.distributed.Backend.register_backend``).
 
-What torch cannot give without a compiled backend: memory for tensors on the "npu" device.
-No kernel exists for PrivateUse1, so the reference registers a fallback that fails every op
-on an "npu" tensor with a message saying so; tensors stay on the CPU and the torch_npu
-functions of the reference compute on them. Its ``hccl`` is gloo underneath, registered for
-"cpu" and "npu" tensors, so collectives on the reference's (CPU) tensors work.
+Tensors on the "npu" device come from a small C++ extension (``csrc/reference_device.cpp``,
+built on first import by ``torch_npu._device_ext``): PrivateUse1 kernels over host memory,
+an allocator that accounts each byte against the modelled NPU, a device guard and a
+fallback running torch's CPU kernels on host views. ``install`` enables it and adds torch's
+generated ``Tensor.npu()`` / ``is_npu`` methods. Its ``hccl`` is gloo underneath,
+registered for "cpu" and "npu" tensors.
 
 The rename cannot be undone in a process, and torch.accelerator then answers from
 ``torch.npu``. ``uninstall()`` therefore leaves an inert ``torch.npu`` that reports no
-NPU, so torch behaves afterwards as on a machine without one; ``hccl`` stays registered.
+NPU, so torch behaves afterwards as on a machine without one; ``hccl`` stays registered, and
+the loaded extension stays but refuses new npu memory until torch_npu is imported again.
 """
 
 from __future__ import annotations
@@ -29,9 +31,6 @@ import torch.distributed as dist
 DEVICE_TYPE = "npu"
 _DEFAULT_PRIVATEUSE1_NAME = "privateuseone"
 
-_fallback_library = None
-
-
 def _rename_privateuse1() -> None:
     name = torch._C._get_privateuse1_backend_name()
     if name == DEVICE_TYPE:
@@ -44,20 +43,13 @@ def _rename_privateuse1() -> None:
     torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
 
 
-def _unmodelled_npu_op(op, *args, **kwargs):
-    raise NotImplementedError(
-        f"{op} was called on the 'npu' device. The reference torch_npu has no NPU memory: "
-        "its tensors stay on the CPU and its torch_npu functions take CPU tensors. Keep "
-        "tensors on the CPU when running on the reference."
-    )
+def _enable_npu_device() -> None:
+    from torch_npu import _device_ext
 
-
-def _register_unmodelled_fallback() -> None:
-    global _fallback_library
-    if _fallback_library is None:
-        library = torch.library.Library("_", "IMPL")
-        library.fallback(_unmodelled_npu_op, dispatch_key="PrivateUse1")
-        _fallback_library = library
+    _device_ext.load().set_enabled(True)
+    if not hasattr(torch.Tensor, "is_" + DEVICE_TYPE):
+        # Tensor.npu() / .is_npu, Module.npu(), storage .npu(), as torch_npu adds them.
+        torch.utils.generate_methods_for_privateuse1_backend(for_packed_sequence=False)
 
 
 def _hccl_over_gloo(store, rank, size, timeout):
@@ -85,7 +77,7 @@ def install(npu_module: types.ModuleType) -> None:
             delattr(torch, DEVICE_TYPE)
         torch._register_device_module(DEVICE_TYPE, npu_module)
         _forget_cached_device_module()
-    _register_unmodelled_fallback()
+    _enable_npu_device()
     _register_hccl()
 
 
@@ -110,10 +102,9 @@ def _inert_npu_module() -> types.ModuleType:
 
 def uninstall() -> None:
     """Forget the reference: drop ``torch_npu`` modules, leave an inert ``torch.npu``."""
-    global _fallback_library
-    if _fallback_library is not None:
-        _fallback_library._destroy()
-        _fallback_library = None
+    from torch_npu import _device_ext
+
+    _device_ext.load().set_enabled(False)
     if hasattr(torch, DEVICE_TYPE):
         delattr(torch, DEVICE_TYPE)
     torch._register_device_module(DEVICE_TYPE, _inert_npu_module())

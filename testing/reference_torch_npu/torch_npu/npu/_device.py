@@ -7,20 +7,25 @@ from environment variables (see ``torch_npu._config``).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from torch_npu import _config
+from torch_npu import _config, _device_ext
 
 DEVICE_TYPE = "npu"
 
 
-class _State(threading.local):
-    # Like the runtime's current device, the selection is per thread.
-    def __init__(self) -> None:
-        self.current_device = 0
+class _State:
+    # Like the runtime's current device, the selection is per thread; it lives in the
+    # extension's device guard, so torch's own device guards and Python agree on it.
+    @property
+    def current_device(self) -> int:
+        return _device_ext.load().current_device()
+
+    @current_device.setter
+    def current_device(self, index: int) -> None:
+        _device_ext.load().set_current_device(index)
 
 
 _state = _State()

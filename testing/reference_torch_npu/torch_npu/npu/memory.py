@@ -3,18 +3,21 @@
 Follows torch_npu's Memory management API (Ascend/op-plugin
 ``docs/context/Memory-management-API.md``), which documents these functions as torch.cuda's.
 
-The reference allocates nothing on an NPU (its tensors live on the CPU), so the numbers are
-those of a modelled caching allocator: each NPU has ``TORCH_NPU_REFERENCE_TOTAL_MEMORY``
-bytes; tests move ``allocated`` with ``torch_npu._reference.simulate_allocation`` /
-``simulate_free``; freed bytes stay ``reserved`` (cached) until ``empty_cache()``;
-``mem_get_info`` reports ``total - reserved`` as free.
+Tensors on the reference's npu device hold host memory from the extension's allocator
+(``csrc/reference_device.cpp``), which accounts each allocation against its NPU as a caching
+allocator would: ``allocated`` is the bytes held by live npu tensors (exact sizes, no
+rounding); freed bytes stay ``reserved`` (cached) until ``empty_cache()``; an allocation
+that would take ``reserved`` past ``TORCH_NPU_REFERENCE_TOTAL_MEMORY`` raises
+``torch.OutOfMemoryError`` ("NPU out of memory"); ``mem_get_info`` reports
+``total - reserved`` as free. Tests may add modelled bytes on top with
+``torch_npu._reference.simulate_allocation`` / ``simulate_free``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch_npu import _config
+from torch_npu import _config, _device_ext
 from torch_npu.npu._device import _index, device_count
 
 
@@ -26,42 +29,26 @@ class _DeviceMemory:
     peak_reserved: int = 0
 
 
-_memory: dict[int, _DeviceMemory] = {}
+def _ext():
+    return _device_ext.load()
 
 
 def _stats(device) -> _DeviceMemory:
-    return _memory.setdefault(_index(device), _DeviceMemory())
+    return _DeviceMemory(*_ext().memory_stats(_index(device)))
 
 
 def _allocate(nbytes: int, device=None) -> None:
     if nbytes < 0:
         raise ValueError(f"Cannot allocate a negative number of bytes ({nbytes}).")
-    stats = _stats(device)
-    allocated = stats.allocated + nbytes
-    reserved = max(stats.reserved, allocated)
-    total = _config.total_memory()
-    if reserved > total:
-        raise RuntimeError(
-            f"NPU out of memory. Tried to allocate {nbytes} bytes; {stats.allocated} of "
-            f"{total} bytes are allocated and {stats.reserved} reserved."
-        )
-    stats.allocated = allocated
-    stats.reserved = reserved
-    stats.peak_allocated = max(stats.peak_allocated, allocated)
-    stats.peak_reserved = max(stats.peak_reserved, reserved)
+    _ext().simulate_allocation(_index(device), nbytes)
 
 
 def _free(nbytes: int, device=None) -> None:
-    stats = _stats(device)
-    if not 0 <= nbytes <= stats.allocated:
-        raise ValueError(
-            f"Cannot free {nbytes} bytes: {stats.allocated} bytes are allocated on this NPU."
-        )
-    stats.allocated -= nbytes
+    _ext().simulate_free(_index(device), nbytes)
 
 
 def _reset() -> None:
-    _memory.clear()
+    _ext().reset_accounting()
 
 
 def mem_get_info(device=None) -> tuple[int, int]:
@@ -96,15 +83,12 @@ def max_memory_reserved(device=None) -> int:
 
 def reset_peak_memory_stats(device=None) -> None:
     """Restart both peaks from the current values (``torch_npu.npu.reset_peak_memory_stats``)."""
-    stats = _stats(device)
-    stats.peak_allocated = stats.allocated
-    stats.peak_reserved = stats.reserved
+    _ext().reset_peaks(_index(device), True)
 
 
 def reset_max_memory_allocated(device=None) -> None:
     """Restart the allocated peak (``torch_npu.npu.reset_max_memory_allocated``)."""
-    stats = _stats(device)
-    stats.peak_allocated = stats.allocated
+    _ext().reset_peaks(_index(device), False)
 
 
 def empty_cache() -> None:
@@ -112,6 +96,5 @@ def empty_cache() -> None:
 
     Applies to every visible NPU, as the caching allocator does.
     """
-    for index in range(device_count()):
-        stats = _stats(index)
-        stats.reserved = stats.allocated
+    device_count()  # validates the modelled machine, as the other calls do
+    _ext().empty_cache()
