@@ -2,7 +2,8 @@
 
 Importing ``torch_npu`` registers this module as ``torch.npu``, as torch_npu does. What is
 modelled: device selection (``_device``), memory accounting (``memory``), streams and events
-(``streams``) and seeding (``random``). Anything else is absent, so using it fails with
+(``streams``), seeding (``random``) and graphs (``graphs``). Anything else is absent, so
+using it fails with
 ``AttributeError`` instead of pretending.
 """
 
@@ -19,6 +20,12 @@ from torch_npu.npu._device import (
     is_initialized,
     set_device,
     synchronize,
+)
+from torch_npu.npu.graphs import (
+    NPUGraph,
+    graph,
+    graph_pool_handle,
+    is_current_stream_capturing,
 )
 from torch_npu.npu.memory import (
     empty_cache,
@@ -49,6 +56,7 @@ def _is_in_bad_fork() -> bool:
 
 __all__ = [
     "Event",
+    "NPUGraph",
     "Stream",
     "StreamContext",
     "current_device",
@@ -60,10 +68,13 @@ __all__ = [
     "get_device_capability",
     "get_device_name",
     "get_device_properties",
+    "graph",
+    "graph_pool_handle",
     "init",
     "initial_seed",
     "is_available",
     "is_bf16_supported",
+    "is_current_stream_capturing",
     "is_initialized",
     "manual_seed",
     "manual_seed_all",

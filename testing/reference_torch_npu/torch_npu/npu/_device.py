@@ -175,6 +175,10 @@ def synchronize(device=None) -> None:
     """Wait for the NPU's queued work (``torch_npu.npu.synchronize``).
 
     The reference runs every op synchronously on the CPU, so there is never work to wait for.
+    Not permitted while an NPU graph is capturing.
     """
     _index(device)
+    from torch_npu.npu import graphs
+
+    graphs._refuse_sync_while_capturing("torch.npu.synchronize()")
 

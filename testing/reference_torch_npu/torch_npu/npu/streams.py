@@ -71,6 +71,7 @@ class Stream:
 
     def synchronize(self) -> None:
         """Wait for the stream's work: nothing is ever pending in the reference."""
+        _refuse_sync_while_capturing("Stream.synchronize()")
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -120,6 +121,7 @@ class Event:
 
     def synchronize(self) -> None:
         """Wait until the event has completed: it completes when recorded, in the reference."""
+        _refuse_sync_while_capturing("Event.synchronize()")
 
     def elapsed_time(self, end_event: Event) -> float:
         """Milliseconds between this event's record and ``end_event``'s.
@@ -137,6 +139,12 @@ class Event:
     def __repr__(self) -> str:
         state = "recorded" if self._recorded_at is not None else "not recorded"
         return f"<torch_npu.npu.Event {state}>"
+
+
+def _refuse_sync_while_capturing(what: str) -> None:
+    from torch_npu.npu import graphs
+
+    graphs._refuse_sync_while_capturing(what)
 
 
 def _require_event(event: object) -> None:

@@ -1,0 +1,168 @@
+"""NPU graphs of the reference: what capture records, what replay computes, what a graph
+refuses. Each replay is checked against the same computation done eagerly on the CPU from
+the static inputs' new contents."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REFERENCE_PATH = str(Path(__file__).resolve().parents[1])
+
+
+@pytest.fixture(scope="module")
+def torch_npu():
+    sys.path.insert(0, REFERENCE_PATH)
+    importlib.invalidate_caches()
+    module = importlib.import_module("torch_npu")
+    module._reference.reset_state()
+    yield module
+    if "torch_npu" in sys.modules:
+        importlib.import_module("torch_npu._reference").uninstall()
+    sys.path.remove(REFERENCE_PATH)
+
+
+def test_replay_computes_from_the_static_inputs_current_contents(torch_npu):
+    torch.manual_seed(0)
+    weight = torch.randn(8, 8)
+    static_x = torch.zeros(4, 8, device="npu")
+    npu_weight = weight.npu()
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph):
+        hidden = torch.relu(static_x @ npu_weight) + 1
+        out = hidden.sum(-1)
+        first = out[0]  # a view of a captured output
+    assert graph.step_names() == ["aten.mm.default", "aten.relu.default",
+                                  "aten.add.Tensor", "aten.sum.dim_IntList"]
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        static_x.copy_(x)
+        graph.replay()
+        expected = (torch.relu(x @ weight) + 1).sum(-1)
+        torch.testing.assert_close(out.cpu(), expected)
+        torch.testing.assert_close(first.cpu(), expected[0])
+
+
+def test_in_place_writes_and_torch_npu_functions_are_replayed(torch_npu):
+    torch.manual_seed(1)
+    key_cache = torch.zeros(2, 4, 1, 8, dtype=torch.float16, device="npu")
+    value_cache = torch.zeros_like(key_cache)
+    static_key = torch.zeros(2, 1, 8, dtype=torch.float16, device="npu")
+    static_slots = torch.tensor([0, 1], dtype=torch.int32).npu()
+    counter = torch.zeros(1, device="npu")
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph):
+        torch_npu.npu_scatter_pa_kv_cache(static_key, static_key, key_cache, value_cache,
+                                          static_slots, cache_mode="Norm")
+        counter.add_(1)
+    assert graph.step_names() == ["torch_npu.npu_scatter_pa_kv_cache", "aten.add_.Tensor"]
+    assert counter.item() == 1
+    key = torch.randn(2, 1, 8, dtype=torch.float16)
+    static_key.copy_(key)
+    static_slots.copy_(torch.tensor([7, 2], dtype=torch.int32))
+    graph.replay()
+    assert counter.item() == 2
+    torch.testing.assert_close(key_cache[1, 3].cpu(), key[0])
+    torch.testing.assert_close(value_cache[0, 2].cpu(), key[1])
+
+
+def test_a_linear_model_replays_like_eager(torch_npu):
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(),
+                                torch.nn.Linear(32, 4))
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    model.npu()
+    static_x = torch.zeros(3, 16, device="npu")
+    graph = torch.npu.NPUGraph()
+    with torch.inference_mode():
+        with torch.npu.graph(graph):
+            static_out = model(static_x)
+        x = torch.randn(3, 16)
+        static_x.copy_(x)
+        graph.replay()
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(),
+                                    torch.nn.Linear(32, 4))
+    cpu_model.load_state_dict(reference)
+    with torch.no_grad():
+        torch.testing.assert_close(static_out.cpu(), cpu_model(x))
+
+
+def test_host_work_during_capture_runs_once_and_is_not_replayed(torch_npu):
+    host = torch.zeros(2)
+    static = torch.zeros(2, device="npu")
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph):
+        host.add_(1)  # CPU tensor: host work
+        static.add_(1)
+    graph.replay()
+    graph.replay()
+    assert host.tolist() == [1.0, 1.0]
+    assert static.cpu().tolist() == [3.0, 3.0]
+    assert graph.num_steps == 1
+
+
+@pytest.mark.parametrize("body", [
+    lambda x: x.sum().item(),
+    lambda x: x.tolist(),
+    lambda x: torch.nonzero(x),
+    lambda x: x[x > 0],
+    lambda x: torch.unique(x),
+    lambda x: x.cpu(),
+    lambda x: x.copy_(torch.ones(4)),
+    lambda x: torch.npu.synchronize(),
+    lambda x: torch.npu.current_stream().synchronize(),
+])
+def test_host_synchronisation_in_a_capture_raises(torch_npu, body):
+    static = torch.ones(4, device="npu")
+    graph = torch.npu.NPUGraph()
+    with pytest.raises(RuntimeError, match="not permitted while an NPU graph is capturing"):
+        with torch.npu.graph(graph):
+            body(static)
+    assert not torch.npu.is_current_stream_capturing()
+    with pytest.raises(RuntimeError, match="needs a finished capture"):
+        graph.replay()
+
+
+def test_pinned_non_blocking_copies_are_captured(torch_npu):
+    pinned = torch.zeros(4, pin_memory=True)
+    static = torch.zeros(4, device="npu")
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph):
+        static.copy_(pinned, non_blocking=True)
+        doubled = static * 2
+    pinned.copy_(torch.arange(4.0))
+    graph.replay()  # the copy reads the host buffer at replay, as a graph's memcpy does
+    assert doubled.cpu().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_capture_rules(torch_npu):
+    graph = torch.npu.NPUGraph()
+    with pytest.raises(RuntimeError, match="non-default stream"):
+        graph.capture_begin()
+    with pytest.raises(ValueError, match="capture_error_mode"):
+        with torch.npu.graph(graph, capture_error_mode="strict"):
+            pass
+    with pytest.raises(TypeError, match="NPUGraph"):
+        torch.npu.graph(object())
+    with torch.npu.graph(graph):
+        with pytest.raises(RuntimeError, match="already capturing"):
+            torch.npu.NPUGraph().capture_begin()
+    with pytest.raises(RuntimeError, match="already holds a capture"):
+        with torch.npu.graph(graph):
+            pass
+
+
+def test_captured_tensors_stay_allocated_until_reset(torch_npu):
+    torch_npu._reference.reset_state()
+    static = torch.zeros(256, device="npu")  # 1024 bytes
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph, pool=torch.npu.graph_pool_handle()):
+        out = (static + 1) * 2  # an intermediate and an output, 1024 bytes each
+    del out
+    assert torch.npu.memory_allocated() == 3 * 1024  # the graph keeps its tensors
+    graph.reset()
+    assert torch.npu.memory_allocated() == 1024
