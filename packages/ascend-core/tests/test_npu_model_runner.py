@@ -151,3 +151,37 @@ def test_too_few_npus_for_the_parallel_layout_is_a_clear_error(reference_npu, mo
     assert "ASCEND_RT_VISIBLE_DEVICES='1'" in message
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "1,3")
     assert check_npus_for_layout(layout, local_rank=1) == 2
+
+
+# --- the torch fallback of vLLM's slot-mapping kernel ----------------------------------------
+
+
+def test_slot_mapping_fallback_matches_the_block_table_lookup():
+    from ascend_core.worker.triton_fallbacks import compute_slot_mapping
+
+    block_size, max_tokens = 4, 16
+    block_table = torch.tensor([[7, 2, 9], [3, 5, 0], [1, 8, 6]], dtype=torch.int32)
+    # request 0: positions 2..6 (5 tokens), request 1: position 9 (invalid block 2 -> 0),
+    # request 2: positions 0..1 -- ragged, in vLLM's flattened order.
+    query_start_loc = torch.tensor([0, 5, 6, 8], dtype=torch.int32)
+    positions = torch.tensor([2, 3, 4, 5, 6, 9, 0, 1], dtype=torch.int64)
+    slots = torch.full((max_tokens,), 12345, dtype=torch.int64)
+    compute_slot_mapping(8, max_tokens, query_start_loc, positions, block_table, 3, slots,
+                         KV_CACHE_BLOCK_SIZE=block_size)
+    expected = []
+    for request, (start, end) in enumerate([(0, 5), (5, 6), (6, 8)]):
+        for pos in positions[start:end].tolist():
+            expected.append(int(block_table[request, pos // block_size]) * block_size
+                            + pos % block_size)
+    assert slots[:8].tolist() == expected == [30, 31, 8, 9, 10, 1, 4, 5]
+    assert slots[8:].tolist() == [-1] * 8
+
+
+def test_slot_mapping_fallback_refuses_context_parallelism():
+    from ascend_core.worker.triton_fallbacks import compute_slot_mapping
+
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        compute_slot_mapping(1, 2, torch.tensor([0, 1]), torch.tensor([0]),
+                             torch.zeros(1, 1, dtype=torch.int32), 1,
+                             torch.zeros(2, dtype=torch.int64), KV_CACHE_BLOCK_SIZE=4,
+                             TOTAL_CP_WORLD_SIZE=2)

@@ -79,6 +79,20 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         return
 
     @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        # With triton-ascend, vLLM's own Triton kernels run on the NPU. Without a Triton
+        # backend the model runner's kernels need torch versions.
+        from vllm.triton_utils import HAS_TRITON
+
+        if HAS_TRITON:
+            return
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        from ascend_core.worker.triton_fallbacks import TRITON_FALLBACKS
+
+        register_kernels(TRITON_FALLBACKS)
+
+    @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         return torch.npu.get_device_name(device_id)
 

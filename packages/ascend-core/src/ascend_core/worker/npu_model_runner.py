@@ -165,6 +165,7 @@ class NPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config, device: torch.device):
         if device.type != "npu":
             raise ValueError(f"NPUModelRunner runs on an npu device, got {device}.")
+        self._dummy_run_depth = 0
         with npu_device_names(), vllm_proposer_deferred(vllm_config):
             super().__init__(vllm_config, device)
         self.proposer_source = install_registered_proposer(self)
@@ -220,7 +221,27 @@ class NPUModelRunner(GPUModelRunner):
 
     @_on_npu
     def _dummy_run(self, *args, **kwargs):
-        return super()._dummy_run(*args, **kwargs)
+        self._dummy_run_depth += 1
+        try:
+            return super()._dummy_run(*args, **kwargs)
+        finally:
+            self._dummy_run_depth -= 1
+
+    def _get_slot_mappings(self, num_tokens_padded, num_reqs_padded, num_tokens_unpadded,
+                           ubatch_slices=None):
+        """vLLM pads slot mappings with -1 (padding tokens, and every token of a dummy run)
+        for CUDA kernels that skip negative slots; ``npu_scatter_pa_kv_cache`` takes only
+        valid slots. The attention layers therefore get the real tokens' slots, and none in
+        a dummy run (which then writes no KV, as vLLM intends with its -1s)."""
+        by_group, by_layer = super()._get_slot_mappings(
+            num_tokens_padded, num_reqs_padded, num_tokens_unpadded, ubatch_slices
+        )
+        if isinstance(by_layer, dict):
+            if self._dummy_run_depth:
+                by_layer = {}
+            else:
+                by_layer = {name: slots[:num_tokens_unpadded] for name, slots in by_layer.items()}
+        return by_group, by_layer
 
     @_on_npu
     def _dummy_sampler_run(self, *args, **kwargs):

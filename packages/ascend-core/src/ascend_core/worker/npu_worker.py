@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import vllm.v1.worker.gpu_worker as gpu_worker_module
 from vllm.config import set_current_vllm_config
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
@@ -95,6 +96,10 @@ def profile_npu_memory(
     return NPUMemoryProfile(
         consumed=consumed, transient_peak=max(peak - after.torch_allocated, 0), after=after
     )
+
+
+def _no_cuda_kernel_warmup(worker, **kwargs) -> None:
+    logger.debug("npu target: no CUDA kernel warm-up to run.")
 
 
 def check_npus_for_layout(parallel_config, local_rank: int) -> int:
@@ -231,8 +236,16 @@ class NPUWorker(Worker):
             self.model_runner.profile_run(randomize_inputs=self.randomize_dummy_inputs)
 
     def compile_or_warm_up_model(self):
-        with npu_device_names():
-            return super().compile_or_warm_up_model()
+        # vLLM's kernel_warmup tunes CUDA/ROCm kernels (Triton, DeepGEMM, FlashInfer, ...),
+        # none of which the npu target runs; the rest of the warm-up (the graph capture
+        # hook, the sampler's largest batch, reseeding) is vLLM's.
+        original = gpu_worker_module.kernel_warmup
+        gpu_worker_module.kernel_warmup = _no_cuda_kernel_warmup
+        try:
+            with npu_device_names():
+                return super().compile_or_warm_up_model()
+        finally:
+            gpu_worker_module.kernel_warmup = original
 
     def initialize_from_config(self, kv_cache_config) -> None:
         with npu_device_names():
