@@ -345,3 +345,46 @@ def test_torch_npu_writes_land_in_npu_tensors(torch_npu):
     assert key_cache.device == NPU
     torch.testing.assert_close(key_cache[1, 1].cpu(), key[0])
     torch.testing.assert_close(value_cache[0, 0].cpu(), key[1])
+
+
+# --- collectives over hccl (gloo underneath) on npu tensors -------------------------------
+
+_COLLECTIVES_WORKER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch, torch_npu
+import torch.distributed as dist
+rank = int(sys.argv[3])
+dist.init_process_group("hccl", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+x = torch.arange(4.0).npu() + 10 * rank
+dist.all_reduce(x)
+gathered = torch.empty(8, device="npu")
+dist.all_gather_into_tensor(gathered, torch.full((4,), float(rank)).npu())
+scattered = torch.empty(2, device="npu")
+dist.reduce_scatter_tensor(scattered, torch.arange(4.0).npu())
+swapped = torch.empty(4, device="npu")
+dist.all_to_all_single(swapped, torch.full((4,), float(rank)).npu())
+dist.barrier()
+devices = {t.device.type for t in (x, gathered, scattered, swapped)}
+print(sorted(devices), x.tolist(), gathered.tolist(), scattered.tolist(), swapped.tolist())
+dist.destroy_process_group()
+"""
+
+
+def test_hccl_collectives_on_npu_tensors_across_two_processes(torch_npu, tmp_path):
+    import subprocess
+
+    script = tmp_path / "worker.py"
+    script.write_text(_COLLECTIVES_WORKER)
+    store = tmp_path / "store"
+    workers = [subprocess.Popen([sys.executable, str(script), REFERENCE_PATH, str(store),
+                                 str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for rank in range(2)]
+    outputs = [worker.communicate(timeout=120) for worker in workers]
+    for worker, (out, err) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, err
+    first, second = (out.strip().splitlines()[-1] for out, _ in outputs)
+    assert first == ("['npu'] [10.0, 12.0, 14.0, 16.0] [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, "
+                     "1.0] [0.0, 2.0] [0.0, 0.0, 1.0, 1.0]")
+    assert second == ("['npu'] [10.0, 12.0, 14.0, 16.0] [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, "
+                      "1.0] [4.0, 6.0] [0.0, 0.0, 1.0, 1.0]")

@@ -12,7 +12,8 @@ built on first import by ``torch_npu._device_ext``): PrivateUse1 kernels over ho
 an allocator that accounts each byte against the modelled NPU, a device guard and a
 fallback running torch's CPU kernels on host views. ``install`` enables it and adds torch's
 generated ``Tensor.npu()`` / ``is_npu`` methods. Its ``hccl`` is gloo underneath,
-registered for "cpu" and "npu" tensors.
+registered for "cpu" and "npu" tensors; c10d's collectives on npu tensors run gloo's CPU
+path on host views of them, so results land in the npu tensors.
 
 The rename cannot be undone in a process, and torch.accelerator then answers from
 ``torch.npu``. ``uninstall()`` therefore leaves an inert ``torch.npu`` that reports no
@@ -22,8 +23,10 @@ the loaded extension stays but refuses new npu memory until torch_npu is importe
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -56,9 +59,49 @@ def _hccl_over_gloo(store, rank, size, timeout):
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+# torch's c10d ops whose PrivateUse1 kernels would hand npu tensors to the backend's
+# (gloo's) own kernels, which take CPU tensors only.
+_COLLECTIVES = (
+    "allreduce_", "allreduce_coalesced_", "allgather_", "_allgather_base_",
+    "allgather_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_",
+    "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "alltoall_base_",
+    "alltoall_", "broadcast_", "reduce_", "gather_", "scatter_", "send", "recv_",
+    "recv_any_source_", "barrier", "monitored_barrier_",
+)
+_collectives_library = None
+
+
+def _collective_on_host_views(op, *args, **kwargs):
+    from torch_npu._on_device import call_on_host
+
+    return call_on_host(op, str(op), args, kwargs)
+
+
+def _route_npu_collectives_through_gloo() -> None:
+    """Make c10d's ops on npu tensors run gloo's CPU path on host views of them.
+
+    As with torch's own PrivateUse1 kernels the op then reaches the group's backend, here
+    through its CPU registration (gloo), with CPU tensors over the npu memory: results are
+    written into the npu tensors themselves.
+    """
+    global _collectives_library
+    if _collectives_library is not None:
+        return
+    library = torch.library.Library("c10d", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered")
+        for name in _COLLECTIVES:
+            packet = getattr(torch.ops.c10d, name, None)
+            if packet is not None:
+                library.impl(name, functools.partial(_collective_on_host_views,
+                                                     packet.default), "PrivateUse1")
+    _collectives_library = library
+
+
 def _register_hccl() -> None:
     if not dist.is_available():
         return
+    _route_npu_collectives_through_gloo()
     if "hccl" not in dist.Backend.backend_list:
         dist.Backend.register_backend("hccl", _hccl_over_gloo, devices=["cpu", DEVICE_TYPE])
 
