@@ -381,7 +381,7 @@ def test_hccl_collectives_on_npu_tensors_across_two_processes(torch_npu, tmp_pat
                                  str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True) for rank in range(2)]
     outputs = [worker.communicate(timeout=120) for worker in workers]
-    for worker, (out, err) in zip(workers, outputs, strict=True):
+    for worker, (_out, err) in zip(workers, outputs, strict=True):
         assert worker.returncode == 0, err
     first, second = (out.strip().splitlines()[-1] for out, _ in outputs)
     assert first == ("['npu'] [10.0, 12.0, 14.0, 16.0] [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, "
