@@ -43,7 +43,7 @@ from ascend_plugin.tiny_models import (
 )
 
 # Bump when a builder here changes what it writes.
-DRAFT_BUILD_VERSION = 1
+DRAFT_BUILD_VERSION = 2
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -188,8 +188,16 @@ def build_eagle3_draft(out_dir: str | os.PathLike, target_dir: str | os.PathLike
     if not 4 <= draft_vocab <= vocab:
         raise DraftBuildError(f"draft_vocab_size={draft_vocab_size} must be between 4 and the "
                               f"target's vocabulary of {vocab}")
+    layers = target["num_hidden_layers"]
+    if layers < 2:
+        raise DraftBuildError(f"an EAGLE-3 draft reads three distinct hidden states of the "
+                              f"target; {target_dir} has only {layers} layer(s), need 2 or more")
+    # vLLM's default aux layers (2, L // 2, L - 3) fall outside a shallow target and then
+    # yield fewer than three states (a shape error at the first draft): name them. Index 0 is
+    # the embedding output, index i the output of layer i.
     config = _llama_draft_config(target, hidden, draft_vocab_size=draft_vocab,
-                                 target_hidden_size=hidden)
+                                 target_hidden_size=hidden,
+                                 eagle_aux_hidden_state_layer_ids=[0, layers // 2, layers])
     heads, kv_heads, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
                                  config["head_dim"])
     weights = _Weights(seed, std)
