@@ -141,8 +141,9 @@ def e2e(session: nox.Session) -> None:
     """The host target through real vLLM (LLM and the OpenAI server), tiny models."""
     _install_torch(session)
     _install_vllm(session)
-    # Editable, with the leaf packages' test extras (their vLLM-facing tests run here).
-    session.install("pytest", *(f"-e{PACKAGES / name}[test]" if name in SIBLINGS
+    # Editable, with the leaf packages' test extras (their vLLM-facing tests run here);
+    # ninja: the npu-target tests import the reference torch_npu, which compiles its device.
+    session.install("pytest", "ninja", *(f"-e{PACKAGES / name}[test]" if name in SIBLINGS
                                 else f"-e{PACKAGES / name}" for name in ALL))
     session.run("pytest", str(ROOT / "tests" / "e2e"), "-v", "--durations=15",
                 *session.posargs)
