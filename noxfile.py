@@ -107,8 +107,9 @@ def _local(*names: str) -> list[str]:
 def tests(session: nox.Session, package: str) -> None:
     """Unit tests of the packages that need no vLLM, on every Python we support."""
     _install_torch(session)
-    # The package's own `test` extra (pip notes and ignores one a package lacks).
-    session.install("pytest", *_local(*SIBLINGS[package]), f"{PACKAGES / package}[test]")
+    # The package's own `test` extra (pip notes and ignores one a package lacks); ninja: the
+    # npu-backend tests import the reference torch_npu, which compiles its device.
+    session.install("pytest", "ninja", *_local(*SIBLINGS[package]), f"{PACKAGES / package}[test]")
     ignores = [f"--ignore-glob=*{pattern}" for pattern in NEEDS_VLLM]
     session.run("pytest", str(PACKAGES / package / "tests"), "-q", *ignores, *session.posargs)
 
