@@ -20,8 +20,10 @@ def _on(device_type: str):
 def machine(monkeypatch):
     """Set what imports: ``machine(triton=..., torch_npu=...)``."""
 
-    def set_machine(triton: bool, torch_npu: bool):
+    def set_machine(triton: bool, torch_npu: bool, triton_driver: bool = True):
         monkeypatch.setattr(dispatch, "triton_module", lambda: object() if triton else None)
+        monkeypatch.setattr(dispatch, "_triton_driver_problem",
+                            lambda: None if triton_driver else "no active driver")
         monkeypatch.setattr(dispatch, "torch_npu_module",
                             lambda: object() if torch_npu else None)
 
@@ -80,3 +82,10 @@ def test_forced_backend_refusals_name_op_backend_and_reason(machine):
     machine(True, False)
     with pytest.raises(BackendUnavailable, match="needs torch_npu"):
         resolve_backend("my_op", _on("npu"), ALL, "npu")
+
+
+def test_npu_tensors_skip_a_triton_without_a_device_driver(machine):
+    # Upstream Triton beside torch_npu (no triton-ascend): it imports, but cannot launch.
+    machine(triton=True, torch_npu=True, triton_driver=False)
+    assert dispatch.triton_unusable_reason(_on("npu")) == "no active driver"
+    assert resolve_backend("op", _on("npu"), ALL, None, {"npu": "float32"}) == "reference"

@@ -63,13 +63,27 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get(INTERPRET_VAR, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+@lru_cache(maxsize=1)
+def _triton_driver_problem() -> str | None:
+    """Why Triton has no device to launch on (None when a driver is active). Upstream Triton
+    beside torch_npu without triton-ascend imports but has no driver for npu tensors."""
+    try:
+        triton_module().runtime.driver.active.get_current_target()
+    except Exception as error:
+        return (f"Triton has no active device driver ({error}); npu tensors need "
+                "triton-ascend")
+    return None
+
+
 def triton_unusable_reason(tensor: torch.Tensor) -> str | None:
     """Why Triton cannot run on ``tensor``'s device here, or None when it can."""
     if triton_module() is None:
         return "triton is not installed (or does not import)"
     device = tensor.device.type
-    if device in ("cuda", NPU):
+    if device == "cuda":
         return None
+    if device == NPU:
+        return _triton_driver_problem()
     if device == "cpu":
         if triton_interpreter_enabled():
             return None
