@@ -12,7 +12,12 @@ HOST = {"VLLM_ASCEND_TARGET": "host"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}
 MAX_TOKENS = 64
-SEEDED = {"temperature": 0.8, "seed": 1234}
+# The model's logits are nearly flat, so sampling wanders; top-k 3 keeps the walk on few
+# tokens, so it revisits them and drafts get verified on the random path.
+SEEDED = {"temperature": 0.8, "top_k": 3, "seed": 1234}
+# Top-k 1 makes the target one-hot: the random path (temperature > 0) must then accept
+# exactly the drafts greedy verification accepts and give the greedy tokens.
+ONE_HOT = {"temperature": 0.8, "top_k": 1, "seed": 99}
 # Sampling at temperature 0.8 from that model wanders over the whole vocabulary; a draft on
 # every token seen before (prompt_lookup_min 1) still gives a few drafts per request.
 NGRAM_ANY_REPEAT = {**NGRAM, "prompt_lookup_min": 1}
@@ -45,6 +50,11 @@ def greedy_ngram(model_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
+def one_hot_ngram(model_dir) -> dict:
+    return run(model_dir, ONE_HOT, speculative_config=NGRAM)
+
+
+@pytest.fixture(scope="module")
 def seeded_ngram(model_dir) -> dict:
     # Every prompt twice in one batch, each request with the same seed: a seeded request's
     # tokens must not depend on where it sits in the batch or on its neighbours' draws.
@@ -71,6 +81,14 @@ def test_greedy_output_equals_no_speculation(greedy_ngram, without_speculation):
     assert len({tuple(ids) for ids in without_speculation["token_ids"]}) > 1
     assert greedy_ngram["token_ids"] == without_speculation["token_ids"]
     assert greedy_ngram["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_random_path_with_a_one_hot_target_is_greedy(one_hot_ngram, greedy_ngram,
+                                                     without_speculation):
+    assert one_hot_ngram["token_ids"] == without_speculation["token_ids"]
+    # Same drafts, and every one accepted exactly when greedy verification accepted it.
+    assert one_hot_ngram["metrics"] == greedy_ngram["metrics"]
+    assert one_hot_ngram["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 def test_seeded_random_sampling_is_reproducible(seeded_ngram, without_speculation):

@@ -43,11 +43,13 @@ class AscendRejectionSampler(RejectionSampler):
             raise ValueError(f"a request has {metadata.max_spec_len} draft tokens; at most "
                              f"{MAX_SPEC_LEN} are supported (num_speculative_tokens)")
         self.num_calls += 1
+        wants_logprobs = sampling_metadata.max_num_logprobs is not None
         bonus_output = self.sampler(
             logits=logits.index_select(0, metadata.bonus_logits_indices),
-            sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
+            # -1: the bonus rows' logits come back, for the accepted tokens' logprobs below.
+            sampling_metadata=replace(sampling_metadata,
+                                      max_num_logprobs=-1 if wants_logprobs else None),
             predict_bonus_token=True,
-            # The accepted tokens' logprobs are read from these logits below.
             logprobs_mode_override=("processed_logits" if self.is_processed_logprobs_mode
                                     else "raw_logits"),
         )
@@ -55,7 +57,6 @@ class AscendRejectionSampler(RejectionSampler):
         # a CPU several times faster than indexing with a tensor).
         raw_target_logits = logits.index_select(0, metadata.target_logits_indices)
         raw_target_logits = raw_target_logits.to(torch.float32)
-        wants_logprobs = sampling_metadata.max_num_logprobs is not None
         target_logits = raw_target_logits
         if wants_logprobs and not self.is_processed_logprobs_mode:
             target_logits = raw_target_logits.clone()  # raw logprobs read the untouched copy
