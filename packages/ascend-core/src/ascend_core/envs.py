@@ -160,6 +160,18 @@ _REGISTRY: tuple[EnvVar, ...] = (
         "Fuse the row-parallel matmul with its all-reduce (MatmulAllReduce) under tensor "
         "parallelism. Supported on Atlas A2; helps most in eager mode. npu only.",
     ),
+    EnvVar(
+        "VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS",
+        "int",
+        64,
+        "MoE token communication under expert parallelism is chosen per batch: all-to-all "
+        "(each token sent only to the ranks owning its experts) once the busiest rank holds "
+        "at least this many tokens and top_k < the expert-parallel size, all-gather (every "
+        "token to every rank) otherwise. Small batches are latency-bound, where all-to-all's "
+        "extra count exchange costs more than the rows it saves. 0: all-to-all whenever "
+        "top_k allows. The default is a starting point, not measured on HCCL.",
+        minimum=0,
+    ),
 )
 
 VARIABLES: Mapping[str, EnvVar] = MappingProxyType({var.name: var for var in _REGISTRY})

@@ -1,0 +1,478 @@
+"""Moving MoE tokens to the ranks that own their experts and the results back.
+
+Two ways, chosen per batch by :func:`select_moe_comm`:
+
+- **all-gather** (:class:`AllGatherMoEComm`): every rank gathers every rank's tokens, runs
+  its local experts on the (token, choice) pairs routed to them, adds each result times its
+  routing weight into a buffer of all tokens, and a reduce-scatter hands every rank the sum
+  for its own tokens. One collective each way, but every rank receives all tokens.
+- **all-to-all** (:class:`AllToAllMoEComm`): each (token, choice) pair goes only to the rank
+  owning the chosen expert. The per-destination counts are exchanged first
+  (``all_to_all_single`` of one integer per rank), then the rows with those split sizes;
+  the expert outputs travel back the same way and the source rank adds them up with the
+  routing weights. A rank receives about ``tokens * top_k * (ep_size - 1) / ep_size`` rows
+  instead of ``tokens * (ep_size - 1)``, at the price of a count exchange and a host sync.
+
+Both return the same :class:`DispatchedTokens` (the rows this rank computes, grouped by
+local expert) and take the experts' outputs back through ``combine``, so an MoE layer can
+switch between them batch by batch. Pure torch over ``torch.distributed``: any backend with
+all-gather, reduce-scatter and all-to-all works (HCCL on an NPU, gloo on the CPU). No vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ALL_GATHER = "allgather"
+ALL_TO_ALL = "alltoall"
+MOE_COMM_METHODS = (ALL_GATHER, ALL_TO_ALL)
+
+# Below this many tokens on the busiest rank, a batch goes through all-gather. Not measured
+# on HCCL: small batches are bound by collective latency, where all-to-all's extra count
+# exchange and host sync cost more than the rows it saves. VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS.
+DEFAULT_ALL2ALL_MIN_TOKENS = 64
+
+
+def select_moe_comm(
+    num_tokens: int,
+    ep_size: int,
+    top_k: int,
+    all2all_min_tokens: int = DEFAULT_ALL2ALL_MIN_TOKENS,
+) -> str:
+    """``"allgather"`` or ``"alltoall"`` for a batch.
+
+    ``num_tokens`` must be the same number on every rank of the group (the most tokens any
+    rank holds in this batch), or the ranks would pick different collectives and hang.
+
+    - ``ep_size == 1``: all-gather, which then moves nothing.
+    - ``top_k >= ep_size``: all-gather; all-to-all would send each token about ``top_k``
+      times, at least as many rows as gathering it to every rank.
+    - ``num_tokens < all2all_min_tokens``: all-gather (latency-bound batches).
+    - otherwise all-to-all.
+    """
+    for name, value, least in (("num_tokens", num_tokens, 0), ("ep_size", ep_size, 1),
+                               ("top_k", top_k, 1), ("all2all_min_tokens", all2all_min_tokens, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"select_moe_comm: {name}={value!r} is not allowed; expected an "
+                             f"integer >= {least}.")
+    if ep_size == 1 or top_k >= ep_size or num_tokens < all2all_min_tokens:
+        return ALL_GATHER
+    return ALL_TO_ALL
+
+
+def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_gatherv(tensor: torch.Tensor, sizes: list[int],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's rows of ``tensor`` along dim 0, rank after rank.
+
+    Rank ``r`` contributes ``sizes[r]`` rows (any may be 0). The rows are padded to the
+    largest count so that one ``all_gather_into_tensor`` moves them all.
+    """
+    rank, world_size = _group_rank_and_size(group)
+    if len(sizes) != world_size or tensor.dim() == 0 or tensor.shape[0] != sizes[rank]:
+        raise ValueError(f"all_gatherv: sizes {list(sizes)} must give one row count per rank "
+                         f"({world_size}), with this rank's {tuple(tensor.shape)[:1]} rows at "
+                         f"index {rank}.")
+    if world_size == 1:
+        return tensor
+    most = max(sizes)
+    padded = tensor.contiguous()
+    if tensor.shape[0] != most:
+        padded = tensor.new_zeros((most,) + tuple(tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+    out = tensor.new_empty((world_size * most,) + tuple(tensor.shape[1:]))
+    dist.all_gather_into_tensor(out, padded, group=group)
+    if all(size == most for size in sizes):
+        return out
+    return torch.cat([out[r * most: r * most + size] for r, size in enumerate(sizes)])
+
+
+def reduce_scatterv(tensor: torch.Tensor, sizes: list[int],
+                    group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The sum of ``tensor`` over the ranks; rank ``r`` keeps its ``sizes[r]`` rows.
+
+    ``tensor`` holds ``sum(sizes)`` rows, rank after rank; each rank's block is padded to
+    the largest count for one ``reduce_scatter_tensor``.
+    """
+    rank, world_size = _group_rank_and_size(group)
+    if len(sizes) != world_size or tensor.dim() == 0 or tensor.shape[0] != sum(sizes):
+        raise ValueError(f"reduce_scatterv: the input has {tuple(tensor.shape)[:1]} rows; "
+                         f"sizes {list(sizes)} must give one row count per rank "
+                         f"({world_size}) adding up to it.")
+    if world_size == 1:
+        return tensor
+    most = max(sizes)
+    if all(size == most for size in sizes):
+        padded = tensor.contiguous()
+    else:
+        padded = tensor.new_zeros((world_size * most,) + tuple(tensor.shape[1:]))
+        start = 0
+        for r, size in enumerate(sizes):
+            padded[r * most: r * most + size] = tensor[start: start + size]
+            start += size
+    out = tensor.new_empty((most,) + tuple(tensor.shape[1:]))
+    dist.reduce_scatter_tensor(out, padded, group=group)
+    return out[: sizes[rank]]
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which rank holds each global expert, and at which local index.
+
+    ``owner[e]`` is the rank serving global expert ``e``; ``local_index[e]`` its index among
+    that rank's experts. Every expert has exactly one owner (with EPLB's redundant experts,
+    the ids here are physical slots).
+    """
+
+    owner: torch.Tensor  # [num_experts] int64
+    local_index: torch.Tensor  # [num_experts] int64
+    ep_size: int
+
+    def __post_init__(self) -> None:
+        if self.owner.shape != self.local_index.shape or self.owner.dim() != 1:
+            raise ValueError(f"ExpertPlacement: owner {tuple(self.owner.shape)} and local_index "
+                             f"{tuple(self.local_index.shape)} must both be [num_experts].")
+        if self.owner.numel() and (int(self.owner.min()) < 0
+                                   or int(self.owner.max()) >= self.ep_size):
+            raise ValueError(f"ExpertPlacement: owners must be ranks in [0, {self.ep_size}), "
+                             f"got {self.owner.tolist()}.")
+
+    @classmethod
+    def linear(cls, num_experts: int, ep_size: int) -> ExpertPlacement:
+        """Contiguous blocks, the first ``num_experts % ep_size`` ranks one expert more
+        (vLLM's ``expert_placement_strategy="linear"``)."""
+        if num_experts < 1 or ep_size < 1:
+            raise ValueError(f"ExpertPlacement.linear: num_experts={num_experts} and "
+                             f"ep_size={ep_size} must both be >= 1.")
+        base, extra = divmod(num_experts, ep_size)
+        sizes = [base + (1 if rank < extra else 0) for rank in range(ep_size)]
+        owner = torch.repeat_interleave(torch.arange(ep_size), torch.tensor(sizes))
+        local_index = torch.cat([torch.arange(size) for size in sizes])
+        return cls(owner, local_index, ep_size)
+
+    @property
+    def num_experts(self) -> int:
+        return self.owner.numel()
+
+    def num_local_experts(self, rank: int) -> int:
+        return int((self.owner == rank).sum())
+
+    def to(self, device: torch.device) -> ExpertPlacement:
+        return ExpertPlacement(self.owner.to(device), self.local_index.to(device), self.ep_size)
+
+
+@dataclass
+class DispatchedTokens:
+    """The (token, choice) rows one rank computes, grouped by local expert.
+
+    ``hidden_states[i]`` goes through local expert ``local_expert_ids[i]``; rows of one
+    expert are contiguous and ``tokens_per_expert`` counts them (a grouped matmul's group
+    list). ``topk_weights[i]`` is the row's routing weight, ``expert_ids[i]`` its global
+    expert. ``combine`` needs the rest.
+    """
+
+    hidden_states: torch.Tensor  # [N, H]
+    local_expert_ids: torch.Tensor  # [N] int64
+    expert_ids: torch.Tensor  # [N] int64, global ids
+    topk_weights: torch.Tensor  # [N]
+    tokens_per_expert: torch.Tensor  # [num_local_experts] int64
+    method: str
+    handle: Any = field(repr=False, default=None)
+
+
+class _MoECommBase:
+    """Shared set-up and input checks of the two methods."""
+
+    method: str
+
+    def __init__(self, group: dist.ProcessGroup | None, placement: ExpertPlacement,
+                 *, validate: bool = True) -> None:
+        self.group = group
+        self.rank, self.world_size = _group_rank_and_size(group)
+        if placement.ep_size != self.world_size:
+            raise ValueError(f"{type(self).__name__}: the placement is for ep_size="
+                             f"{placement.ep_size}, but the group has {self.world_size} ranks.")
+        self.placement = placement
+        self.num_local_experts = placement.num_local_experts(self.rank)
+        self.validate = validate
+
+    def _check_routing(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> None:
+        name = type(self).__name__
+        if hidden_states.dim() != 2:
+            raise ValueError(f"{name}.dispatch: hidden_states must be [num_tokens, hidden], "
+                             f"got shape {tuple(hidden_states.shape)}.")
+        num_tokens = hidden_states.shape[0]
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
+            raise ValueError(f"{name}.dispatch: topk_ids must be [num_tokens={num_tokens}, "
+                             f"top_k], got shape {tuple(topk_ids.shape)}.")
+        if topk_weights.shape != topk_ids.shape:
+            raise ValueError(f"{name}.dispatch: topk_weights {tuple(topk_weights.shape)} must "
+                             f"have the shape of topk_ids {tuple(topk_ids.shape)}.")
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+            raise ValueError(f"{name}.dispatch: topk_ids must be integers, got {topk_ids.dtype}.")
+        if not topk_weights.dtype.is_floating_point:
+            raise ValueError(f"{name}.dispatch: topk_weights must be floating point, got "
+                             f"{topk_weights.dtype}.")
+        if self.validate and topk_ids.numel():
+            low, high = int(topk_ids.min()), int(topk_ids.max())
+            if low < 0 or high >= self.placement.num_experts:
+                bad = low if low < 0 else high
+                raise ValueError(f"{name}.dispatch: expert id {bad} in topk_ids is outside the "
+                                 f"global experts [0, {self.placement.num_experts}).")
+
+    @staticmethod
+    def _check_output(name: str, expert_output: torch.Tensor,
+                      dispatched: DispatchedTokens) -> None:
+        rows = dispatched.hidden_states.shape[0]
+        if expert_output.dim() != 2 or expert_output.shape[0] != rows:
+            raise ValueError(f"{name}.combine: expert_output must be [{rows}, hidden] (one row "
+                             f"per dispatched row), got shape {tuple(expert_output.shape)}.")
+
+    def _group_by_expert(self, local_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        order = torch.argsort(local_ids, stable=True)
+        counts = torch.bincount(local_ids, minlength=self.num_local_experts)
+        return order, counts
+
+
+@dataclass
+class GatheredTokens:
+    """Every rank's tokens, rank after rank (``sizes[r]`` rows from rank ``r``)."""
+
+    hidden_states: torch.Tensor  # [sum(sizes), H]
+    topk_weights: torch.Tensor  # [sum(sizes), K]
+    topk_ids: torch.Tensor  # [sum(sizes), K]
+    sizes: list[int]
+    extra: list[torch.Tensor] = field(default_factory=list)
+
+
+class AllGatherMoEComm(_MoECommBase):
+    """Tokens gathered to every rank; partial results reduce-scattered back."""
+
+    method = ALL_GATHER
+
+    def token_counts(self, num_tokens: int, device: torch.device) -> list[int]:
+        """Every rank's token count (one small all-gather and a host sync)."""
+        if self.world_size == 1:
+            return [num_tokens]
+        mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        every = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        return [int(n) for n in every.tolist()]
+
+    def gather(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """All ranks' ``tensor`` rows concatenated; rank ``r`` gives ``sizes[r]`` rows."""
+        return all_gatherv(tensor, sizes, self.group)
+
+    def reduce_scatter(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Sum of ``tensor`` over the ranks, rank ``r`` keeping rows of its own tokens."""
+        return reduce_scatterv(tensor, sizes, self.group)
+
+    def gather_tokens(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, sizes: list[int] | None = None,
+                      extra: list[torch.Tensor] | tuple[torch.Tensor, ...] = ()) -> GatheredTokens:
+        """All ranks' tokens with their routing (and per-token ``extra`` tensors)."""
+        self._check_routing(hidden_states, topk_weights, topk_ids)
+        return self._gather_tokens(hidden_states, topk_weights, topk_ids, sizes, extra)
+
+    def _gather_tokens(self, hidden_states, topk_weights, topk_ids, sizes, extra):
+        num_tokens = hidden_states.shape[0]
+        for i, tensor in enumerate(extra):
+            if tensor.shape[:1] != (num_tokens,):
+                raise ValueError(f"{type(self).__name__}: extra tensor {i} of shape "
+                                 f"{tuple(tensor.shape)} must have one row per token "
+                                 f"({num_tokens}).")
+        if sizes is None:
+            sizes = self.token_counts(num_tokens, hidden_states.device)
+        return GatheredTokens(self.gather(hidden_states, sizes), self.gather(topk_weights, sizes),
+                              self.gather(topk_ids, sizes), list(sizes),
+                              [self.gather(tensor, sizes) for tensor in extra])
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, sizes: list[int] | None = None) -> DispatchedTokens:
+        """Gather every rank's tokens; keep the (token, choice) rows of local experts."""
+        self._check_routing(hidden_states, topk_weights, topk_ids)
+        return self._dispatch(hidden_states, topk_weights, topk_ids, sizes)
+
+    def _dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, sizes: list[int] | None) -> DispatchedTokens:
+        gathered = self._gather_tokens(hidden_states, topk_weights, topk_ids, sizes, ())
+        top_k = topk_ids.shape[1]
+        flat_ids = gathered.topk_ids.reshape(-1).long()
+        owner = self.placement.owner.to(flat_ids.device)
+        pairs = torch.nonzero(owner[flat_ids] == self.rank).reshape(-1)
+        expert_ids = flat_ids[pairs]
+        local_ids = self.placement.local_index.to(flat_ids.device)[expert_ids]
+        order, counts = self._group_by_expert(local_ids)
+        pairs = pairs[order]
+        token_index = torch.div(pairs, top_k, rounding_mode="floor")
+        return DispatchedTokens(
+            hidden_states=gathered.hidden_states[token_index],
+            local_expert_ids=local_ids[order],
+            expert_ids=expert_ids[order],
+            topk_weights=gathered.topk_weights.reshape(-1)[pairs],
+            tokens_per_expert=counts,
+            method=self.method,
+            handle=(token_index, gathered.sizes),
+        )
+
+    def combine(self, expert_output: torch.Tensor, dispatched: DispatchedTokens,
+                apply_weights: bool = True) -> torch.Tensor:
+        """This rank's tokens: the sum over their choices of weight * expert output."""
+        self._check_output(type(self).__name__, expert_output, dispatched)
+        token_index, sizes = dispatched.handle
+        partial = torch.zeros((sum(sizes), expert_output.shape[1]), dtype=torch.float32,
+                              device=expert_output.device)
+        rows = expert_output.float()
+        if apply_weights:
+            rows = rows * dispatched.topk_weights.float().unsqueeze(1)
+        partial.index_add_(0, token_index, rows)
+        return self.reduce_scatter(partial.to(expert_output.dtype), sizes)
+
+
+class AllToAllMoEComm(_MoECommBase):
+    """Each (token, choice) row sent to its expert's owner and back."""
+
+    method = ALL_TO_ALL
+
+    def _exchange(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        out = tensor.new_empty((sum(recv),) + tuple(tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv,
+                               input_split_sizes=send, group=self.group)
+        return out
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor,
+                 extra: list[torch.Tensor] | tuple[torch.Tensor, ...] = ()) -> DispatchedTokens:
+        """Send each row to its expert's owner. ``extra`` per-token tensors travel along;
+        they come back, permuted like the rows, in ``handle["extra"]``."""
+        self._check_routing(hidden_states, topk_weights, topk_ids)
+        return self._dispatch(hidden_states, topk_weights, topk_ids, extra)
+
+    def _dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor,
+                  extra: list[torch.Tensor] | tuple[torch.Tensor, ...] = ()) -> DispatchedTokens:
+        for i, tensor in enumerate(extra):
+            if tensor.shape[:1] != (hidden_states.shape[0],):
+                raise ValueError(f"{type(self).__name__}: extra tensor {i} of shape "
+                                 f"{tuple(tensor.shape)} must have one row per token "
+                                 f"({hidden_states.shape[0]}).")
+        num_tokens, top_k = topk_ids.shape
+        device = hidden_states.device
+        flat_ids = topk_ids.reshape(-1).long()
+        owner = self.placement.owner.to(device)
+        local_index = self.placement.local_index.to(device)
+        destination = owner[flat_ids]
+        # Rows in destination order, within a destination by the expert's local index.
+        send_order = torch.argsort(destination * self.placement.num_experts
+                                   + local_index[flat_ids], stable=True)
+        send_counts = torch.bincount(destination, minlength=self.world_size)
+        if self.world_size == 1:
+            recv_counts = send_counts
+        else:
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send = [int(n) for n in send_counts.tolist()]
+        recv = [int(n) for n in recv_counts.tolist()]
+        token_index = torch.div(send_order, top_k, rounding_mode="floor")
+        received_ids = self._exchange(flat_ids[send_order], send, recv)
+        received_weights = self._exchange(topk_weights.reshape(-1)[send_order], send, recv)
+        received = self._exchange(hidden_states[token_index], send, recv)
+        received_extra = [self._exchange(tensor[token_index], send, recv) for tensor in extra]
+        # Rows arrive source after source; group them by local expert for the experts.
+        local_ids = local_index[received_ids]
+        order, counts = self._group_by_expert(local_ids)
+        return DispatchedTokens(
+            hidden_states=received[order],
+            local_expert_ids=local_ids[order],
+            expert_ids=received_ids[order],
+            topk_weights=received_weights[order],
+            tokens_per_expert=counts,
+            method=self.method,
+            handle={"send_order": send_order, "order": order, "send": send, "recv": recv,
+                    "num_tokens": num_tokens, "top_k": top_k,
+                    "topk_weights": topk_weights,
+                    "extra": [tensor[order] for tensor in received_extra]},
+        )
+
+    def combine(self, expert_output: torch.Tensor, dispatched: DispatchedTokens,
+                apply_weights: bool = True) -> torch.Tensor:
+        """This rank's tokens: the sum over their choices of weight * expert output."""
+        self._check_output(type(self).__name__, expert_output, dispatched)
+        handle = dispatched.handle
+        hidden = expert_output.shape[1]
+        arrived = torch.empty_like(expert_output)
+        arrived[handle["order"]] = expert_output
+        returned = self._exchange(arrived, handle["recv"], handle["send"])
+        num_tokens, top_k = handle["num_tokens"], handle["top_k"]
+        per_choice = torch.empty((num_tokens * top_k, hidden), dtype=torch.float32,
+                                 device=expert_output.device)
+        per_choice[handle["send_order"]] = returned.float()
+        per_choice = per_choice.view(num_tokens, top_k, hidden)
+        if apply_weights:
+            per_choice = per_choice * handle["topk_weights"].float().unsqueeze(2)
+        return per_choice.sum(dim=1).to(expert_output.dtype)
+
+
+def make_moe_comm(method: str, group: dist.ProcessGroup | None, placement: ExpertPlacement,
+                  **kwargs: Any) -> AllGatherMoEComm | AllToAllMoEComm:
+    """The communication object for ``method`` (``"allgather"`` or ``"alltoall"``)."""
+    if method == ALL_GATHER:
+        return AllGatherMoEComm(group, placement, **kwargs)
+    if method == ALL_TO_ALL:
+        return AllToAllMoEComm(group, placement, **kwargs)
+    raise ValueError(f"Unknown MoE communication method {method!r}; expected one of "
+                     f"{', '.join(MOE_COMM_METHODS)}.")
+
+
+class MoECommunication:
+    """Dispatch/combine that picks all-gather or all-to-all for each batch.
+
+    Every rank must call ``dispatch`` for the same batch. Unless the caller passes
+    ``max_tokens`` (the most tokens any rank holds, the same on every rank, e.g. from the
+    data-parallel metadata), the ranks first all-gather their token counts, which the
+    all-gather path reuses. ``combine`` follows the method its ``dispatch`` took.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, placement: ExpertPlacement,
+                 *, all2all_min_tokens: int | None = None, validate: bool = True) -> None:
+        if all2all_min_tokens is None:
+            from ascend_core import envs
+
+            all2all_min_tokens = envs.VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS
+        self.all2all_min_tokens = all2all_min_tokens
+        self.all_gather = AllGatherMoEComm(group, placement, validate=validate)
+        self.all_to_all = AllToAllMoEComm(group, placement, validate=validate)
+        self.world_size = self.all_gather.world_size
+
+    def select(self, max_tokens: int, top_k: int) -> str:
+        return select_moe_comm(max_tokens, self.world_size, top_k, self.all2all_min_tokens)
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, *, max_tokens: int | None = None) -> DispatchedTokens:
+        # Checked before any collective, so a bad batch fails on its rank without a hang
+        # in a collective the other ranks already entered.
+        self.all_gather._check_routing(hidden_states, topk_weights, topk_ids)
+        sizes = None
+        if max_tokens is None:
+            sizes = self.all_gather.token_counts(hidden_states.shape[0], hidden_states.device)
+            max_tokens = max(sizes)
+        if self.select(max_tokens, max(topk_ids.shape[1], 1)) == ALL_TO_ALL:
+            return self.all_to_all._dispatch(hidden_states, topk_weights, topk_ids)
+        return self.all_gather._dispatch(hidden_states, topk_weights, topk_ids, sizes)
+
+    def combine(self, expert_output: torch.Tensor, dispatched: DispatchedTokens,
+                apply_weights: bool = True) -> torch.Tensor:
+        comm = self.all_to_all if dispatched.method == ALL_TO_ALL else self.all_gather
+        return comm.combine(expert_output, dispatched, apply_weights)

@@ -1,0 +1,288 @@
+"""One rank of the multi-process tests in test_moe_comm.py (run as a script, not collected).
+
+    python moe_comm_worker.py SUITE BACKEND WORLD RANK STORE [REFERENCE_PATH]
+
+SUITE ``moe``: toy MoE layers through both MoE paths against a single-process reference.
+SUITE ``communicator``: NPUCommunicator's collectives and its MoE pair.
+BACKEND ``gloo`` (CPU tensors) or ``hccl`` (the reference torch_npu's npu tensors).
+Each rank checks its own results and prints one JSON line of facts for the test to compare.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+SUITE, BACKEND, WORLD, RANK, STORE = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:5]), sys.argv[5]
+if BACKEND == "hccl":
+    sys.path.insert(0, sys.argv[6])
+    import torch_npu  # noqa: F401  (the reference: names the npu device, registers hccl)
+
+    DEVICE = torch.device("npu", 0)
+else:
+    DEVICE = torch.device("cpu")
+
+from ascend_core.distributed.moe_comm import (  # noqa: E402
+    ALL_GATHER,
+    ALL_TO_ALL,
+    AllGatherMoEComm,
+    AllToAllMoEComm,
+    ExpertPlacement,
+    MoECommunication,
+)
+
+HIDDEN = 16
+
+
+class ToyExperts(torch.nn.Module):
+    """``num_experts`` small MLPs (Linear, SiLU, Linear), the same on every rank (seeded)."""
+
+    def __init__(self, num_experts: int, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.up = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(2 * HIDDEN, HIDDEN, generator=generator) / 4)
+            for _ in range(num_experts))
+        self.down = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(HIDDEN, 2 * HIDDEN, generator=generator) / 4)
+            for _ in range(num_experts))
+
+    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        up = self.up[index].to(device=x.device, dtype=x.dtype)
+        down = self.down[index].to(device=x.device, dtype=x.dtype)
+        return torch.nn.functional.silu(x @ up.T) @ down.T
+
+    def reference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """sum_k weights[t, k] * expert[ids[t, k]](x[t]), token by token, in float64."""
+        x64 = x.double()
+        out = torch.zeros_like(x64)
+        for t in range(x.shape[0]):
+            for k in range(ids.shape[1]):
+                expert = self.expert(int(ids[t, k]), x64[t: t + 1])[0]
+                out[t] += float(weights[t, k]) * expert
+        return out
+
+    def run_local(self, dispatched, placement: ExpertPlacement, rank: int,
+                  weigh_rows: bool = False) -> torch.Tensor:
+        """The dispatched rows through this rank's experts, group by group as the
+        ``tokens_per_expert`` split says (what a grouped matmul would do)."""
+        global_of_local = {int(placement.local_index[e]): e
+                           for e in range(placement.num_experts) if int(placement.owner[e]) == rank}
+        outputs = []
+        start = 0
+        for local, count in enumerate(dispatched.tokens_per_expert.tolist()):
+            rows = dispatched.hidden_states[start: start + count]
+            assert (dispatched.local_expert_ids[start: start + count] == local).all()
+            assert (dispatched.expert_ids[start: start + count] == global_of_local[local]).all()
+            outputs.append(self.expert(global_of_local[local], rows))
+            start += count
+        assert start == dispatched.hidden_states.shape[0]
+        out = torch.cat(outputs) if outputs else dispatched.hidden_states[:0].clone()
+        if weigh_rows:
+            out = out * dispatched.topk_weights.unsqueeze(1).to(out.dtype)
+        return out
+
+
+def make_batch(counts: list[int], num_experts: int, top_k: int, seed: int,
+               unused: tuple[int, ...] = (), only: tuple[int, ...] | None = None):
+    """Every rank's tokens and routing (identical on all ranks; each keeps its slice)."""
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(counts)
+    x = torch.randn(total, HIDDEN, generator=generator)
+    allowed = [e for e in range(num_experts) if e not in unused]
+    if only is not None:
+        allowed = list(only)
+    scores = torch.rand(total, len(allowed), generator=generator)
+    choice = torch.topk(scores, top_k, dim=1).indices
+    ids = torch.tensor(allowed)[choice]
+    weights = torch.softmax(torch.randn(total, top_k, generator=generator), dim=1)
+    return x, weights, ids
+
+
+def local_slice(tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    start = sum(counts[:RANK])
+    return tensor[start: start + counts[RANK]]
+
+
+def check_close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: float) -> None:
+    assert actual.device == DEVICE, (what, actual.device)
+    torch.testing.assert_close(actual.cpu().double(), expected.double(), atol=tol, rtol=tol,
+                               msg=lambda m: f"{what} (rank {RANK}): {m}")
+
+
+SCENARIOS = {
+    # name: (token counts per rank, experts, top_k, unused experts, only these experts, owner)
+    2: [
+        ("rank1_empty", [7, 0], 6, 2, (1, 4), None, None),
+        ("uneven", [3, 11], 6, 2, (0,), None, None),
+        ("rank1_receives_nothing", [5, 4], 6, 2, (), (0, 1, 2), None),
+        ("top1_round_robin", [9, 6], 5, 1, (3,), None, [0, 1, 0, 1, 0]),
+    ],
+    4: [
+        ("uneven_placement", [0, 5, 1, 9], 10, 3, (2, 7), None, None),
+        ("round_robin", [4, 0, 6, 2], 8, 2, (5,), None, [0, 1, 2, 3, 0, 1, 2, 3]),
+    ],
+}
+
+
+def placement_for(num_experts: int, owner: list[int] | None) -> ExpertPlacement:
+    if owner is None:
+        return ExpertPlacement.linear(num_experts, WORLD)
+    owner_t = torch.tensor(owner)
+    local = torch.zeros_like(owner_t)
+    for rank in range(WORLD):
+        mine = owner_t == rank
+        local[mine] = torch.arange(int(mine.sum()))
+    return ExpertPlacement(owner_t, local, WORLD)
+
+
+def moe_suite(group) -> dict:
+    facts = {}
+    for seed, (name, counts, num_experts, top_k, unused, only, owner) in enumerate(
+            SCENARIOS[WORLD]):
+        experts = ToyExperts(num_experts, seed=100 + seed)
+        placement = placement_for(num_experts, owner)
+        x_all, w_all, ids_all = make_batch(counts, num_experts, top_k, seed, unused, only)
+        expected = local_slice(experts.reference(x_all, w_all, ids_all), counts)
+        x, w, ids = (local_slice(t, counts).to(DEVICE) for t in (x_all, w_all, ids_all))
+        owned_pairs = int((placement.owner[ids_all] == RANK).sum())
+        rows = {}
+        for comm in (AllGatherMoEComm(group, placement), AllToAllMoEComm(group, placement)):
+            dispatched = comm.dispatch(x, w, ids)
+            assert dispatched.method == comm.method
+            assert dispatched.hidden_states.shape == (owned_pairs, HIDDEN), (
+                name, comm.method, dispatched.hidden_states.shape, owned_pairs)
+            out = comm.combine(experts.run_local(dispatched, placement, RANK), dispatched)
+            check_close(out, expected, f"{name} {comm.method}", 1e-5)
+            # The expert applies the weights itself (vLLM's kernels do): combine only adds.
+            dispatched = comm.dispatch(x, w, ids)
+            rows_weighted = experts.run_local(dispatched, placement, RANK, weigh_rows=True)
+            out = comm.combine(rows_weighted, dispatched, apply_weights=False)
+            check_close(out, expected, f"{name} {comm.method} pre-weighted", 1e-5)
+            rows[comm.method] = dispatched.tokens_per_expert.tolist()
+        assert rows[ALL_GATHER] == rows[ALL_TO_ALL], (name, rows)
+        # Per batch: the same layer takes either path, and every rank agrees on which.
+        chosen = []
+        for threshold in (0, 10**6):
+            moe = MoECommunication(group, placement, all2all_min_tokens=threshold)
+            dispatched = moe.dispatch(x, w, ids)
+            out = moe.combine(experts.run_local(dispatched, placement, RANK), dispatched)
+            check_close(out, expected, f"{name} per-batch {dispatched.method}", 1e-5)
+            chosen.append(dispatched.method)
+        # bfloat16 tokens through the all-to-all path (float32 accumulation of the choices).
+        comm = AllToAllMoEComm(group, placement)
+        dispatched = comm.dispatch(x.bfloat16(), w, ids)
+        out = comm.combine(experts.run_local(dispatched, placement, RANK), dispatched)
+        assert out.dtype == torch.bfloat16
+        check_close(out, expected, f"{name} bf16", 0.1)
+        facts[name] = {"rows": rows[ALL_TO_ALL], "chosen": chosen, "tokens": counts[RANK]}
+    # Both ranks given a bad expert id fail before any collective, with the id in the message.
+    placement = ExpertPlacement.linear(4, WORLD)
+    bad = torch.tensor([[0, 4]], device=DEVICE)
+    for comm in (AllGatherMoEComm(group, placement), AllToAllMoEComm(group, placement),
+                 MoECommunication(group, placement)):
+        try:
+            comm.dispatch(torch.ones(1, HIDDEN, device=DEVICE),
+                          torch.full((1, 2), 0.5, device=DEVICE), bad)
+        except ValueError as error:
+            assert "expert id 4" in str(error) and "[0, 4)" in str(error), error
+        else:
+            raise AssertionError(f"{type(comm).__name__} took expert id 4 of 4 experts")
+    return facts
+
+
+def communicator_suite() -> dict:
+    from ascend_core.distributed.npu_communicator import NPUCommunicator
+
+    cpu_group = dist.new_group(backend="gloo")
+    comm = NPUCommunicator(cpu_group, device=DEVICE, device_group=dist.group.WORLD,
+                           unique_name="ep:0")
+    assert comm.world_size == WORLD and comm.rank_in_group == RANK
+    facts = {}
+    base = torch.arange(6.0).reshape(2, 3)
+    summed = comm.all_reduce((base + RANK).to(DEVICE))
+    check_close(summed, base * WORLD + sum(range(WORLD)), "all_reduce", 0)
+    gathered = comm.all_gather((base + 10 * RANK).to(DEVICE), dim=1)
+    check_close(gathered, torch.cat([base + 10 * r for r in range(WORLD)], dim=1),
+                "all_gather dim 1", 0)
+    full = torch.arange(float(4 * WORLD * 2)).reshape(4 * WORLD, 2)
+    scattered = comm.reduce_scatter((full * (RANK + 1)).to(DEVICE), dim=0)
+    factor = sum(r + 1 for r in range(WORLD))
+    check_close(scattered, (full * factor)[4 * RANK: 4 * RANK + 4], "reduce_scatter", 0)
+    # Uneven rows per rank, rank 1 with none.
+    sizes = [3, 0, 2, 1][:WORLD]
+    mine = torch.full((sizes[RANK], 2), float(RANK)).to(DEVICE)
+    gatherv = comm.all_gatherv([mine, mine + 1], dim=0, sizes=sizes)
+    expected = torch.cat([torch.full((n, 2), float(r)) for r, n in enumerate(sizes)])
+    check_close(gatherv[0], expected, "all_gatherv", 0)
+    check_close(gatherv[1], expected + 1, "all_gatherv second tensor", 0)
+    rows = torch.arange(float(sum(sizes) * 3)).reshape(sum(sizes), 3)
+    reduced = comm.reduce_scatterv((rows * (RANK + 1)).T.contiguous().to(DEVICE), dim=1,
+                                   sizes=sizes)
+    start = sum(sizes[:RANK])
+    check_close(reduced, (rows * factor)[start: start + sizes[RANK]].T, "reduce_scatterv dim 1", 0)
+    # all_to_all: rank r sends (r + d) rows to rank d, each row tagged (source, destination).
+    splits = [RANK + d for d in range(WORLD)]
+    payload = torch.cat([torch.tensor([[RANK, d]] * n, dtype=torch.float32)
+                         for d, n in enumerate(splits)]).reshape(-1, 2)
+    arrived = comm.all_to_all(payload.to(DEVICE), input_split_sizes=splits)
+    expected = torch.cat([torch.tensor([[s, RANK]] * (s + RANK), dtype=torch.float32)
+                          for s in range(WORLD)]).reshape(-1, 2)
+    check_close(arrived, expected, "all_to_all exchanged splits", 0)
+    back = comm.all_to_all(arrived, output_split_sizes=splits,
+                           input_split_sizes=[s + RANK for s in range(WORLD)])
+    check_close(back, payload, "all_to_all given both splits", 0)
+    even = comm.all_to_all(torch.full((WORLD * 2, 1), float(RANK)).to(DEVICE))
+    check_close(even, torch.arange(WORLD).repeat_interleave(2).float().unsqueeze(1),
+                "all_to_all even", 0)
+    facts["collectives"] = "ok"
+    # The MoE pair, per batch, over the communicator's group.
+    counts = [6, 0, 3, 8][:WORLD]
+    experts = ToyExperts(2 * WORLD, seed=7)
+    placement = ExpertPlacement.linear(2 * WORLD, WORLD)
+    x_all, w_all, ids_all = make_batch(counts, 2 * WORLD, 1, seed=3)
+    expected = local_slice(experts.reference(x_all, w_all, ids_all), counts)
+    x, w, ids = (local_slice(t, counts).to(DEVICE) for t in (x_all, w_all, ids_all))
+    methods = []
+    for threshold in (0, 10**6):
+        moe = comm.moe_communication(placement, all2all_min_tokens=threshold)
+        dispatched = moe.dispatch(x, w, ids)
+        out = moe.combine(experts.run_local(dispatched, placement, RANK), dispatched)
+        check_close(out, expected, f"communicator moe {dispatched.method}", 1e-5)
+        methods.append(dispatched.method)
+        comm._moe_comms.clear()
+    facts["moe"] = methods
+    for call, needle in (
+        (lambda: comm.reduce_scatter(torch.ones(WORLD + 1, 2, device=DEVICE), dim=0),
+         "not divisible"),
+        (lambda: comm.all_gather(torch.ones(2, device=DEVICE), dim=3), "dim=3 is out of range"),
+        (lambda: comm.all_to_all(torch.ones(3, device=DEVICE), input_split_sizes=[1] * WORLD),
+         "add up to"),
+        (lambda: comm.all_gatherv(torch.ones(5, device=DEVICE), sizes=[1] * WORLD),
+         "one row count per rank"),
+        (lambda: comm.reduce_scatterv(torch.ones(5, device=DEVICE), dim=0, sizes=[1] * WORLD),
+         "adding up to it"),
+    ):
+        try:
+            call()
+        except ValueError as error:
+            assert needle in str(error), (needle, error)
+        else:
+            raise AssertionError(f"no error for {needle!r}")
+    comm.destroy()
+    return facts
+
+
+def main() -> None:
+    dist.init_process_group(BACKEND, init_method="file://" + STORE, rank=RANK, world_size=WORLD)
+    facts = moe_suite(dist.group.WORLD) if SUITE == "moe" else communicator_suite()
+    dist.barrier()
+    print(json.dumps({"rank": RANK, "device": DEVICE.type, **facts}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
