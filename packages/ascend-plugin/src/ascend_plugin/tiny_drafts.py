@@ -138,7 +138,8 @@ def _llama_draft_config(target: dict[str, Any], hidden_size: int, **fields: Any)
 def build_eagle_draft(out_dir: str | os.PathLike, target_dir: str | os.PathLike, *,
                       hidden_size: int | None = None, seed: int = 0,
                       std: float = DEFAULT_INITIALIZER_RANGE,
-                      carry_embedding: bool = False) -> Path:
+                      carry_embedding: bool = False,
+                      intermediate_size: int | None = None) -> Path:
     """An EAGLE-1 draft for the Llama model in ``target_dir``.
 
     ``hidden_size`` defaults to the target's; another value makes a draft vLLM cannot run on
@@ -149,13 +150,18 @@ def build_eagle_draft(out_dir: str | os.PathLike, target_dir: str | os.PathLike,
     being random. On a target whose residual stream is dominated by the token embedding
     (small ``initializer_range``), the shared LM head then predicts from the draft's input
     token what the target predicts from it: a draft with real acceptance, without training.
+
+    ``intermediate_size``: the draft layer's MLP width (default: the target's); a narrower one
+    keeps the draft small next to the target.
     """
     target = _read_config(target_dir)
     if target.get("model_type") != "llama":
         raise DraftBuildError(f"EAGLE drafts here are for Llama targets; {target_dir} is "
                               f"model_type={target.get('model_type')!r}")
     hidden = hidden_size or target["hidden_size"]
-    config = _llama_draft_config(target, hidden)
+    config = _llama_draft_config(target, hidden,
+                                 intermediate_size=intermediate_size
+                                 or target["intermediate_size"])
     heads, kv_heads, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
                                  config["head_dim"])
     weights = _Weights(seed, std)
@@ -170,12 +176,25 @@ def build_eagle_draft(out_dir: str | os.PathLike, target_dir: str | os.PathLike,
 
 def build_eagle3_draft(out_dir: str | os.PathLike, target_dir: str | os.PathLike, *,
                        draft_vocab_size: int | None = 1024, seed: int = 0,
-                       std: float = DEFAULT_INITIALIZER_RANGE) -> Path:
+                       std: float = DEFAULT_INITIALIZER_RANGE,
+                       carry_embedding: bool = False,
+                       intermediate_size: int | None = None) -> Path:
     """An EAGLE-3 draft for the Llama model in ``target_dir``.
 
     ``draft_vocab_size``: the draft's LM head covers this many target tokens (a seeded random
     subset, always including the special tokens 0..3), mapped by ``d2t``; None gives the full
     vocabulary and no maps.
+
+    ``carry_embedding``: the draft's output is its input token's normed embedding, so on an
+    embedding-dominated target (see ``build_eagle_draft``) it predicts what the target predicts
+    whenever that token is in the draft vocabulary. EAGLE-3 feeds the embedding only to the
+    attention, so the attention passes it through: q and k are a constant bias (weights zero),
+    whose rotary score peaks sharply at distance 0, hence each position attends to itself; v
+    takes the embedding half of the input ([I, 0], one KV head per head), o is I. The residual
+    branch is scaled down (``hidden_norm`` weight 0.01, ``norm_before_residual``) and the LM
+    head rows are the target's for the draft vocabulary.
+
+    ``intermediate_size``: the draft layer's MLP width (default: the target's).
     """
     import torch
 
@@ -197,7 +216,12 @@ def build_eagle3_draft(out_dir: str | os.PathLike, target_dir: str | os.PathLike
     # the embedding output, index i the output of layer i.
     config = _llama_draft_config(target, hidden, draft_vocab_size=draft_vocab,
                                  target_hidden_size=hidden,
-                                 eagle_aux_hidden_state_layer_ids=[0, layers // 2, layers])
+                                 eagle_aux_hidden_state_layer_ids=[0, layers // 2, layers],
+                                 intermediate_size=intermediate_size
+                                 or target["intermediate_size"])
+    if carry_embedding:
+        config.update(attention_bias=True, norm_before_residual=True,
+                      num_key_value_heads=config["num_attention_heads"])
     heads, kv_heads, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
                                  config["head_dim"])
     weights = _Weights(seed, std)
@@ -209,6 +233,7 @@ def build_eagle3_draft(out_dir: str | os.PathLike, target_dir: str | os.PathLike
                        intermediate=config["intermediate_size"])
     weights.norm("norm.weight", hidden)
     weights.matrix("lm_head.weight", draft_vocab, hidden)
+    kept = torch.arange(vocab)
     if draft_vocab < vocab:
         rest = torch.randperm(vocab - 4, generator=weights.generator)[: draft_vocab - 4] + 4
         kept = torch.cat([torch.arange(4), rest.sort().values])
@@ -216,7 +241,46 @@ def build_eagle3_draft(out_dir: str | os.PathLike, target_dir: str | os.PathLike
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[kept] = True
         weights.tensors["t2d"] = t2d
+    if carry_embedding:
+        _carry_through_attention(weights, "midlayer", config, target_dir, target, kept)
     return _write(out_dir, config, weights, target_dir)
+
+
+def _carry_through_attention(weights: _Weights, prefix: str, config: dict,
+                             target_dir: str | os.PathLike, target: dict, kept) -> None:
+    """Make an EAGLE-3 layer output its normed input embedding (``build_eagle3_draft``)."""
+    import math
+
+    import torch
+    from safetensors import safe_open
+
+    hidden, heads, head_dim = (config["hidden_size"], config["num_attention_heads"],
+                               config["head_dim"])
+    attn = f"{prefix}.self_attn"
+    zeros = torch.zeros(heads * head_dim, 2 * hidden)
+    weights.tensors[f"{attn}.q_proj.weight"] = zeros
+    weights.tensors[f"{attn}.k_proj.weight"] = zeros.clone()
+    # Same bias v for q and k on every rotary pair (neox layout: i and i + head_dim / 2): the
+    # score between positions d apart is 2 v^2 / sqrt(head_dim) * sum_i cos(d * theta_i),
+    # largest at d = 0; at d = 1 it is lower by that scale times about 1.08 (theta_0 = 1 rad),
+    # by more at larger d. v is chosen for a margin of 27: the neighbour's weight is e^-27.
+    value = math.sqrt(12.5 * math.sqrt(head_dim))
+    bias = torch.full((heads * head_dim,), value)
+    weights.tensors[f"{attn}.q_proj.bias"] = bias
+    weights.tensors[f"{attn}.k_proj.bias"] = bias.clone()
+    weights.tensors[f"{attn}.v_proj.weight"] = _pass_first_half(hidden, hidden)
+    weights.tensors[f"{attn}.v_proj.bias"] = torch.zeros(hidden)
+    weights.tensors[f"{attn}.o_proj.weight"] = torch.eye(hidden)
+    weights.tensors[f"{attn}.o_proj.bias"] = torch.zeros(hidden)
+    weights.tensors[f"{prefix}.hidden_norm.weight"] = torch.full((hidden,), 0.01)
+    tied = target.get("tie_word_embeddings", False)
+    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    for path in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as reader:
+            if name in reader.keys():  # noqa: SIM118 (not a mapping)
+                weights.tensors["lm_head.weight"] = reader.get_tensor(name).float()[kept]
+                return
+    raise DraftBuildError(f"{target_dir} has no {name} in its safetensors files")
 
 
 def build_deepseek_mtp_model(out_dir: str | os.PathLike, *, hidden_size: int = 128,
