@@ -76,6 +76,10 @@ def main() -> None:
         "prompt_token_ids": [list(out.prompt_token_ids) for out in outputs],
         "workers": llm.collective_rpc(probe_worker),
     }
+    if params.logprobs:
+        # Per prompt, per generated position: {token id: logprob} of the top candidates.
+        result["logprobs"] = [[{str(token): entry.logprob for token, entry in position.items()}
+                               for position in out.outputs[0].logprobs] for out in outputs]
     metrics = spec_decode_metrics(llm)
     if metrics:
         result["metrics"] = metrics

@@ -14,12 +14,11 @@ float16/bfloat16 only), on the same prompts, greedy, 16 tokens each:
   host target serving the same checkpoint, and tensor parallel 2 (two reference NPUs, HCCL =
   gloo underneath) against TP 1: here the sums are formed in another order (the int8
   matmul's epilogue, the all-reduce of partial results) and bfloat16 rounds them apart, so
-  on a random model a near-tie flips a token after some steps. These two run on the Medusa
-  demo's base Llama (initializer_range 0.005, larger logit margins than the default tiny
-  Llama). What is compared: for every prompt the first ``MIN_EQUAL_PREFIX`` (4) generated
-  tokens are equal, and at least ``MIN_FULLY_EQUAL`` (6) of the 8 prompts are equal over all
-  16 tokens. Measured when written: W8A8 7 of 8 fully equal (the other equal for 5 tokens),
-  TP 2 6 of 8 (the others equal for 4 and 9 tokens).
+  a near-tie may flip a token. What is compared: per prompt, the tokens up to the first
+  difference are equal, and at that position both runs' top-5 logprobs hold both tokens
+  within ``NEAR_TIE`` (0.1 nat, a few bfloat16 steps of these logits) of each other; after
+  a difference the contexts differ and nothing more is compared. These run on the Medusa
+  demo's base Llama (initializer_range 0.005), whose logits have larger margins.
 """
 
 from __future__ import annotations
@@ -47,34 +46,45 @@ NPU = {
 HOST = {"VLLM_ASCEND_TARGET": "host"}
 LLM = {"dtype": "bfloat16", "gpu_memory_utilization": 0.2}
 NPU_RUNNER = "ascend_core.worker.npu_model_runner.NPUModelRunner"
-MIN_EQUAL_PREFIX = 4
-MIN_FULLY_EQUAL = 6
+NEAR_TIE = 0.1
+TOP_LOGPROBS = 5
 
 
-def equal_prefixes(ours: dict, theirs: dict) -> list[int]:
-    """Per prompt, how many leading generated tokens the two runs share."""
-    lengths = []
-    for a, b in zip(ours["token_ids"], theirs["token_ids"], strict=True):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        lengths.append(n)
-    return lengths
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return None if n == len(a) == len(b) else n
 
 
-def assert_same_start(ours: dict, theirs: dict, what: str) -> None:
+def assert_equal_up_to_near_ties(ours: dict, theirs: dict, what: str) -> None:
+    """Greedy tokens equal, or equal up to a position where the two runs' choices are
+    within NEAR_TIE of each other in both runs' logprobs."""
     assert ours["prompt_token_ids"] == theirs["prompt_token_ids"]
-    prefixes = equal_prefixes(ours, theirs)
-    full = sum(n == len(ids) for n, ids in zip(prefixes, ours["token_ids"], strict=True))
-    print(f"\n{what}: equal leading tokens per prompt {prefixes}; {full} of {len(prefixes)} "
-          "prompts equal over all tokens")
-    assert min(prefixes) >= MIN_EQUAL_PREFIX, prefixes
-    assert full >= MIN_FULLY_EQUAL, prefixes
+    report = []
+    for prompt, (a, b) in enumerate(zip(ours["token_ids"], theirs["token_ids"], strict=True)):
+        n = first_difference(a, b)
+        if n is None:
+            report.append("equal")
+            continue
+        gaps = []
+        for run in (ours, theirs):
+            top = run["logprobs"][prompt][n]
+            missing = [t for t in (a[n], b[n]) if str(t) not in top]
+            assert not missing, (f"{what}, prompt {prompt}: tokens {a[n]} / {b[n]} differ at "
+                                 f"position {n} and {missing} is not in the top "
+                                 f"{TOP_LOGPROBS} there: {top}")
+            gaps.append(abs(top[str(a[n])] - top[str(b[n])]))
+        report.append(f"differs at {n}, gap {max(gaps):.3f}")
+        assert max(gaps) <= NEAR_TIE, (f"{what}, prompt {prompt}: tokens {a[n]} / {b[n]} at "
+                                       f"position {n} are {max(gaps):.3f} nat apart, not a "
+                                       f"near-tie (<= {NEAR_TIE})")
+    print(f"\n{what}: {report}")
 
 
 def run(model, env, prompts=PROMPTS, **llm) -> dict:
     return run_vllm({"model": str(model), "prompts": prompts, "max_tokens": 16,
-                     "llm": {**LLM, **llm}}, env)
+                     "sampling": {"logprobs": TOP_LOGPROBS}, "llm": {**LLM, **llm}}, env)
 
 
 def assert_on_npu(result: dict, workers: int = 1) -> None:
@@ -182,7 +192,7 @@ def test_w8a8_checkpoint_on_npu_equals_the_host_target(w8a8_checkpoint):
     npu = run(w8a8_checkpoint, NPU)
     assert_on_npu(npu)
     assert len({tuple(ids) for ids in host["token_ids"]}) == len(PROMPTS)
-    assert_same_start(npu, host, "W8A8 npu vs host")
+    assert_equal_up_to_near_ties(npu, host, "W8A8 npu vs host")
 
 
 # --- tensor parallel 2 ------------------------------------------------------------------------
@@ -192,4 +202,4 @@ def test_tensor_parallel_2_over_hccl_equals_tp_1(medusa_demo, medusa_base_npu):
     env = {**NPU, "TORCH_NPU_REFERENCE_DEVICE_COUNT": "2"}
     result = run(medusa_demo[0], env, tensor_parallel_size=2, distributed_executor_backend="mp")
     assert_on_npu(result, workers=2)
-    assert_same_start(result, medusa_base_npu, "TP 2 vs TP 1 on npu")
+    assert_equal_up_to_near_ties(result, medusa_base_npu, "TP 2 vs TP 1 on npu")

@@ -134,6 +134,28 @@ def test_device_names_point_at_torch_npu_and_are_restored(reference_npu):
     assert after == before
 
 
+def test_code_torch_compile_traces_runs_inside_the_device_names(reference_npu):
+    """vLLM compiles small helpers with the platform's ``simple_compile_backend`` (``eager``
+    on npu), e.g. its logprobs counting; dynamo then checks ``isinstance(x, torch.Event)``,
+    which fails if the stand-in for torch.Event is not a type (a logprobs request on the npu
+    target died of it)."""
+    from ascend_core.platform.npu import AscendPlatform
+    from ascend_core.worker.npu_model_runner import npu_device_names
+
+    @torch.compile(backend=AscendPlatform.simple_compile_backend)
+    def count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        torch._check(x.shape[0] >= 1)
+        torch._check(x.shape[0] == values.shape[0])
+        return (x >= values).sum(-1)
+
+    torch._dynamo.reset()
+    x = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.2, 0.1]], device="npu")
+    with npu_device_names():
+        assert isinstance(torch.Event, type)
+        counts = count_greater_or_equal(x, torch.tensor([[0.5], [0.3]], device="npu"))
+    assert counts.tolist() == [2, 1]
+
+
 def test_too_few_npus_for_the_parallel_layout_is_a_clear_error(reference_npu, monkeypatch):
     from vllm.config import ParallelConfig
 

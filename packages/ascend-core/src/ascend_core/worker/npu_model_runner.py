@@ -55,7 +55,7 @@ def _npu_name_map() -> dict[tuple[Any, str], Any]:
         (torch.cuda, "Event"): npu.Event,
         (torch.cuda, "current_stream"): npu.current_stream,
         (torch.cuda, "stream"): npu.stream,
-        (torch, "Event"): _npu_event,
+        (torch, "Event"): _NPUEvent,
         (torch.accelerator, "synchronize"): npu.synchronize,
         (torch.accelerator, "empty_cache"): npu.empty_cache,
         (torch.accelerator, "get_memory_info"): npu.mem_get_info,
@@ -67,14 +67,21 @@ def _npu_name_map() -> dict[tuple[Any, str], Any]:
     }
 
 
-def _npu_event(device: Any = None, *, enable_timing: bool = False, blocking: bool = False,
-               interprocess: bool = False) -> Any:
-    """``torch.Event`` (device-generic) answered by ``torch.npu.Event``."""
-    if device is not None and torch.device(device).type != "npu":
-        raise ValueError(f"torch.Event on {device!r} inside the npu model runner; the runner's "
-                         "events are NPU events.")
-    return torch.npu.Event(enable_timing=enable_timing, blocking=blocking,
-                           interprocess=interprocess)
+class _NPUEvent:
+    """``torch.Event`` (device-generic) answered by ``torch.npu.Event``.
+
+    A class, not a function: code that torch.compile traces while the runner works (vLLM's
+    logprobs counting, for one) makes dynamo check ``isinstance(value, torch.Event)``, which
+    needs a type there.
+    """
+
+    def __new__(cls, device: Any = None, *, enable_timing: bool = False,
+                blocking: bool = False, interprocess: bool = False) -> Any:
+        if device is not None and torch.device(device).type != "npu":
+            raise ValueError(f"torch.Event on {device!r} inside the npu model runner; the "
+                             "runner's events are NPU events.")
+        return torch.npu.Event(enable_timing=enable_timing, blocking=blocking,
+                               interprocess=interprocess)
 
 
 @contextlib.contextmanager
