@@ -34,7 +34,7 @@ default full run (16 processes) takes about half an hour on 2 cores.
 Results: ``benchmarks/results/specdec_decode.json`` and ``specdec_decode.md``
 (``specdec_decode_quick.*`` with ``--quick``, or ``--out NAME``).
 
-    python benchmarks/bench_specdec.py [--methods ngram,medusa] [--quick] [--repeats 2] ...
+    python benchmarks/bench_specdec.py [--methods ngram,medusa] [--quick] [--repeats 3] ...
 """
 
 from __future__ import annotations
@@ -309,7 +309,7 @@ def main() -> None:
                         "of the base model's)")
     parser.add_argument("--mtp-layers", type=int, default=8,
                         help="decoder layers of the DeepSeek-V3 target for MTP")
-    parser.add_argument("--repeats", type=int, default=2, help="timed generations (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generations (median)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", help="result file stem under benchmarks/results/ "
                         "(default: specdec_decode, or specdec_decode_quick with --quick)")
