@@ -15,6 +15,7 @@ kernels live in ``triton_kernels`` and their torch_npu calls in ``npu_ops``.
 from ascend_kernels.__about__ import __version__
 from ascend_kernels.activation import silu_and_mul
 from ascend_kernels.dispatch import BACKENDS, BackendUnavailable, resolve_backend
+from ascend_kernels.moe import moe_experts
 from ascend_kernels.norm import add_rms_norm, l2norm, rms_norm
 from ascend_kernels.quant import add_rms_norm_quant, dynamic_per_token_quant, scaled_int8_mm
 from ascend_kernels.rejection import (
@@ -44,6 +45,7 @@ __all__ = [
     "generate_uniform_probs",
     "grouped_topk",
     "l2norm",
+    "moe_experts",
     "rejection_greedy_sample",
     "rejection_random_sample",
     "resolve_backend",

@@ -25,6 +25,9 @@ class AscendRMSNorm(RMSNorm):
         if self.variance_size_override is not None:
             # Norm over a prefix of the hidden size: not an op of ours yet.
             return self.forward_native(x, residual)
+        if not x.is_contiguous():
+            # torch_npu's norms take dense tensors; Qwen3's q/k norms get strided head views.
+            x = x.contiguous()
         if residual is None:
             return ascend_kernels.rms_norm(x, self.weight.data, self.variance_epsilon)
         return ascend_kernels.add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)
@@ -61,6 +64,11 @@ def register() -> None:
     CUSTOM_OPS.register("RMSNorm", AscendRMSNorm)
     CUSTOM_OPS.register("RotaryEmbedding", AscendRotaryEmbedding)
     CUSTOM_OPS.register("SiluAndMul", AscendSiluAndMul)
+    # vLLM builds its unquantized MoE method through CustomOp too; ours serves the npu
+    # platform, for which vLLM 0.32 has no unquantized experts kernel.
+    from ascend_core.ops.moe import AscendUnquantizedFusedMoEMethod
+
+    CUSTOM_OPS.register("UnquantizedFusedMoEMethod", AscendUnquantizedFusedMoEMethod)
 
 
 def register_with_vllm() -> list[str]:
