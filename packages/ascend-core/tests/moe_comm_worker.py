@@ -3,7 +3,9 @@
     python moe_comm_worker.py SUITE BACKEND WORLD RANK STORE [REFERENCE_PATH]
 
 SUITE ``moe``: toy MoE layers through both MoE paths against a single-process reference.
-SUITE ``communicator``: NPUCommunicator's collectives and its MoE pair.
+SUITE ``communicator``: NPUCommunicator's collectives and its MoE pair, then vLLM's own
+data-parallel MoE dispatch/combine through it (vLLM's distributed state set up for data
+parallel WORLD with expert parallel, on the npu platform when BACKEND is hccl).
 BACKEND ``gloo`` (CPU tensors) or ``hccl`` (the reference torch_npu's npu tensors).
 Each rank checks its own results and prints one JSON line of facts for the test to compare.
 """
@@ -276,12 +278,83 @@ def communicator_suite() -> dict:
     return facts
 
 
+def vllm_data_parallel_suite() -> dict:
+    """vLLM's own data-parallel MoE dispatch/combine (its all-gather/reduce-scatter manager in
+    the ``ep`` group) through the NPU communicator, with uneven tokens per DP rank."""
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.forward_context import get_forward_context, set_forward_context
+
+    ep = parallel_state.get_ep_group()
+    communicator = ep.device_communicator
+    counts = [3, 1, 0, 2][:WORLD]
+    x = torch.arange(float(counts[RANK] * 4)).reshape(-1, 4) + 100 * RANK
+    ids = torch.arange(counts[RANK] * 2).reshape(-1, 2) + 10 * RANK
+    weights = ids.float() / 7
+    config = get_current_vllm_config()
+    with set_forward_context(None, config, num_tokens=counts[RANK],
+                             num_tokens_across_dp=torch.tensor(counts)):
+        with get_forward_context().dp_metadata.sp_local_sizes(1):
+            all_x, all_w, all_ids = ep.dispatch(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE))
+            expected_x = torch.cat([torch.arange(float(n * 4)).reshape(-1, 4) + 100 * r
+                                    for r, n in enumerate(counts)])
+            expected_ids = torch.cat([torch.arange(n * 2).reshape(-1, 2) + 10 * r
+                                      for r, n in enumerate(counts)])
+            check_close(all_x, expected_x, "vLLM dispatch hidden", 0)
+            check_close(all_ids, expected_ids, "vLLM dispatch ids", 0)
+            check_close(all_w, expected_ids.float() / 7, "vLLM dispatch weights", 0)
+            # Each rank's partial result for every token; combine sums them per owner rank.
+            partial = all_x * (RANK + 1)
+            out = ep.combine(partial)
+            start = sum(counts[:RANK])
+            factor = sum(r + 1 for r in range(WORLD))
+            check_close(out, expected_x[start: start + counts[RANK]] * factor, "vLLM combine", 0)
+            into = torch.empty(counts[RANK], 4, device=DEVICE)
+            ep.combine_into_output(partial, into)
+            check_close(into, expected_x[start: start + counts[RANK]] * factor,
+                        "vLLM combine_into_output", 0)
+    return {"ep_communicator": type(communicator).__name__,
+            "all2all_manager": type(communicator.all2all_manager).__name__}
+
+
+def vllm_data_parallel_config():
+    """A vLLM config of data parallel WORLD with expert parallel, launched externally."""
+    import os
+
+    from vllm.config import ParallelConfig, VllmConfig
+
+    os.environ.update(RANK=str(RANK), WORLD_SIZE=str(WORLD), LOCAL_RANK="0")
+    parallel = ParallelConfig(data_parallel_size=WORLD, data_parallel_rank=RANK,
+                              enable_expert_parallel=True,
+                              distributed_executor_backend="external_launcher")
+    parallel.is_moe_model = True
+    return VllmConfig(parallel_config=parallel)
+
+
+def init_vllm_data_parallel() -> None:
+    """vLLM's distributed state for the current config, on the platform the plugin picks
+    (the npu one with the reference torch_npu)."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.init_distributed_environment(
+        world_size=WORLD, rank=RANK, local_rank=0, distributed_init_method="file://" + STORE,
+        backend=BACKEND)
+    parallel_state.initialize_model_parallel(1, 1)
+
+
 def main() -> None:
-    dist.init_process_group(BACKEND, init_method="file://" + STORE, rank=RANK, world_size=WORLD)
-    facts = moe_suite(dist.group.WORLD) if SUITE == "moe" else communicator_suite()
+    if SUITE == "moe":
+        dist.init_process_group(BACKEND, init_method="file://" + STORE, rank=RANK,
+                                world_size=WORLD)
+        facts = moe_suite(dist.group.WORLD)
+    else:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(vllm_data_parallel_config()):
+            init_vllm_data_parallel()
+            facts = {**communicator_suite(), **vllm_data_parallel_suite()}
     dist.barrier()
     print(json.dumps({"rank": RANK, "device": DEVICE.type, **facts}))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ REFERENCE_PATH = str(TESTS.parents[2] / "testing" / "reference_torch_npu")
 def run_ranks(suite: str, backend: str, world: int, tmp_path: Path) -> list[dict]:
     """Start ``world`` ranks of the worker; each must exit 0. Their JSON facts, by rank."""
     store = tmp_path / f"store-{suite}-{backend}-{world}"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "VLLM_ASCEND_TARGET": "npu"}
     for name in ("TORCH_NPU_REFERENCE_DEVICE_COUNT", "ASCEND_RT_VISIBLE_DEVICES"):
         env.pop(name, None)
     ranks = [subprocess.Popen([sys.executable, str(WORKER), suite, backend, str(world),
@@ -117,10 +117,13 @@ def test_both_paths_equal_the_single_process_moe_over_reference_hccl_on_npu_tens
 
 def test_npu_communicator_collectives_over_reference_hccl_on_npu_tensors(
         reference_built, tmp_path):
+    # Also vLLM's data-parallel MoE dispatch/combine, on the npu platform, whose ep group's
+    # communicator is ours with vLLM's all-gather/reduce-scatter manager.
     facts = run_ranks("communicator", "hccl", 2, tmp_path)
     for rank, fact in enumerate(facts):
         assert fact == {"rank": rank, "device": "npu", "collectives": "ok",
-                        "moe": [ALL_TO_ALL, ALL_GATHER]}
+                        "moe": [ALL_TO_ALL, ALL_GATHER], "ep_communicator": "NPUCommunicator",
+                        "all2all_manager": "AgRsAll2AllManager"}
 
 
 # --- the selection rule -----------------------------------------------------------------------
