@@ -73,6 +73,7 @@ def reference_built():
 def check_moe_facts(facts: list[dict], world: int, device: str) -> None:
     assert [f["rank"] for f in facts] == list(range(world))
     assert {f["device"] for f in facts} == {device}
+    assert all(f["moe_experts"] == ["ok", "ok"] for f in facts)
     if world == 2:
         # (tokens per rank, top_k) of the worker's scenarios: every (token, choice) row is
         # computed on exactly one rank.
