@@ -203,3 +203,49 @@ def test_tensor_parallel_2_over_hccl_equals_tp_1(medusa_demo, medusa_base_npu):
     result = run(medusa_demo[0], env, tensor_parallel_size=2, distributed_executor_backend="mp")
     assert_on_npu(result, workers=2)
     assert_equal_up_to_near_ties(result, medusa_base_npu, "TP 2 vs TP 1 on npu")
+
+
+# --- MoE (unquantized experts) ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe() -> Path:
+    from ascend_plugin.tiny_models import ensure_model
+
+    # hidden 128 / 4 heads: head_dim 32, one the Ascend attention takes (16..512, steps of 16).
+    return ensure_model("qwen3_moe")
+
+
+def test_moe_model_on_npu_equals_the_host_target(qwen3_moe):
+    """8 experts, top-2 renormalised: routing on npu_moe_gating_top_k_softmax, experts on
+    npu_grouped_matmul + npu_swiglu. Expert sums are formed in another order than vLLM's
+    CPU experts, so bfloat16 may flip a near-tie: compared up to near-ties."""
+    host = run(qwen3_moe, HOST)
+    npu = run(qwen3_moe, NPU)
+    assert_on_npu(npu)
+    (worker,) = npu["workers"]
+    assert "AscendUnquantizedFusedMoEMethod" in worker["layer_classes"]
+    assert len({tuple(ids) for ids in host["token_ids"]}) == len(PROMPTS)
+    assert_equal_up_to_near_ties(npu, host, "qwen3-MoE npu vs host")
+
+
+# --- FULL decode graphs -----------------------------------------------------------------------
+
+# FULL decode graphs on NPUGraph, asked for as a user would (run_llm.py defaults to eager).
+GRAPHS = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "enforce_eager": False,
+          "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def llama_npu_graphs(llama) -> dict:
+    return run(llama, NPU, **GRAPHS)
+
+
+def test_dense_llama_with_full_decode_graphs_keeps_greedy_tokens(llama_npu_graphs, llama_npu):
+    assert_on_npu(llama_npu_graphs)
+    (worker,) = llama_npu_graphs["workers"]
+    # Decode steps replayed captured graphs: 16 tokens per prompt, the first from prefill.
+    assert worker["graph_replays"] >= 15
+    (eager_worker,) = llama_npu["workers"]
+    assert eager_worker["graph_replays"] == 0
+    assert llama_npu_graphs["token_ids"] == llama_npu["token_ids"]
