@@ -30,6 +30,8 @@ def probe_worker(worker) -> dict:
         "rejection_sampler": type(getattr(runner, "rejection_sampler", None)).__name__,
         "rejection_sampler_calls": getattr(getattr(runner, "rejection_sampler", None),
                                            "num_calls", None),
+        # NPU graph replays in this worker (NPUModelRunner), if it counts them.
+        "graph_replays": getattr(runner, "graph_replays", None),
         "layer_classes": sorted({type(m).__name__ for m in modules
                                  if type(m).__name__.startswith(("Ascend", "RMSNorm",
                                                                  "SiluAndMul"))}),

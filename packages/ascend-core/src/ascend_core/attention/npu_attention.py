@@ -64,6 +64,15 @@ SPARSE_MODE_NO_MASK = 0
 SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
 
 
+def _full_graphs_configured() -> bool:
+    """Whether the vLLM config being built runs FULL (decode) graphs."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    mode = config.compilation_config.cudagraph_mode if config is not None else None
+    return mode is not None and mode.has_full_cudagraphs()
+
+
 class AscendAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
@@ -131,10 +140,25 @@ class AscendAttentionMetadata:
     padded_rows: torch.Tensor | None
     attn_mask: torch.Tensor | None  # compressed causal mask; None when max_query_len == 1
     sparse_mode: int
+    # Uniform decode batch under FULL decode graphs: the sequence lengths on the device
+    # (vLLM's buffer), read by the graph-capturable attention instead of ``seq_lens``.
+    graph_seq_lens: torch.Tensor | None = None
 
 
 class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    """Metadata for the fused op; graph support: uniform batches (decode, and speculative
+    verification with the same query length in every request).
+
+    A captured graph keeps the Python values its ops were called with, and the fused op's
+    ``actual_seq_lengths_kv`` is such a host list that changes every step. Under FULL decode
+    graphs a uniform decode batch therefore gets ``graph_seq_lens``, vLLM's device buffer of
+    sequence lengths, and the attention runs as device ops that read it
+    (``graph_decode_attention``); every other batch keeps the fused op. (torch_npu's graph
+    task update, which re-issues a captured fused op with new host arguments before replay,
+    would keep the fused op in graphs; the reference torch_npu does not model it.)
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     # Every batch goes through one path, so requests need no reordering.
     reorder_batch_threshold: int | None = None
 
@@ -147,6 +171,11 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
                 "pass --block-size 128."
             )
         self._causal_mask: torch.Tensor | None = None
+        mode = vllm_config.compilation_config.cudagraph_mode
+        self._full_graphs = mode is not None and mode.has_full_cudagraphs()
+        speculative = vllm_config.speculative_config
+        self._decode_query_len = 1 + ((speculative.num_speculative_tokens or 0)
+                                      if speculative is not None else 0)
 
     def _compressed_causal_mask(self) -> torch.Tensor:
         if self._causal_mask is None:
@@ -172,6 +201,10 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
         starts = meta.query_start_loc_cpu[: num_reqs + 1].tolist()
         query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
         seq_lens = meta.seq_lens[:num_reqs].to("cpu").tolist()
+        graph_decode = self._full_graphs and num_reqs > 0 and set(query_lens) == {
+            self._decode_query_len}
+        if graph_decode:  # padding requests of a captured size have sequence length 0
+            seq_lens = [kv or q_len for q_len, kv in zip(query_lens, seq_lens, strict=True)]
         for req, (q_len, kv_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
             if q_len > kv_len:
                 raise ValueError(
@@ -203,6 +236,7 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
             padded_rows=padded_rows,
             attn_mask=None if incremental else self._compressed_causal_mask(),
             sparse_mode=SPARSE_MODE_NO_MASK if incremental else SPARSE_MODE_RIGHT_DOWN_CAUSAL,
+            graph_seq_lens=meta.seq_lens[:num_reqs] if graph_decode else None,
         )
 
 
@@ -269,6 +303,8 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        # Under FULL decode graphs the slot mapping is vLLM's padded one, -1 for padding.
+        self.pad_slots_to_null_block = _full_graphs_configured()
 
     def _split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value halves, each ``(num_blocks, block_size, num_kv_heads * D)``."""
@@ -303,6 +339,14 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         num_blocks, block_size, _ = key_cache.shape
         cache_shape = (num_blocks, block_size, self.num_kv_heads, self.head_size)
         tokens = slot_mapping.shape[0]
+        if self.pad_slots_to_null_block:
+            # Padding token i (slot -1) writes into slot i, in vLLM's null block (block 0),
+            # which no request reads: npu_scatter_pa_kv_cache takes valid, unique slots
+            # only, and a graph replays the KV write of every padded token. The platform
+            # caps captured sizes at one block of tokens, so slot i stays in block 0.
+            pad_slots = torch.arange(tokens, dtype=slot_mapping.dtype,
+                                     device=slot_mapping.device)
+            slot_mapping = torch.where(slot_mapping < 0, pad_slots, slot_mapping)
         # The op takes contiguous [tokens, heads, head_size] inputs; vLLM's key and value
         # are views into the fused QKV projection and may be padded past the slots.
         torch_npu.npu_scatter_pa_kv_cache(
@@ -347,6 +391,12 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         block_size = key_cache.shape[1]
         batch, q_s = meta.num_reqs, meta.max_query_len
         bsnd = (batch, q_s, self.num_heads, self.head_size)
+        if meta.graph_seq_lens is not None:
+            bsnd_out = graph_decode_attention(
+                query[:tokens].contiguous().view(bsnd), key_cache, value_cache,
+                meta.block_table, meta.graph_seq_lens, self.num_kv_heads, self.scale)
+            output[:tokens] = bsnd_out.reshape(tokens, self.num_heads, self.head_size)
+            return output
         if meta.padded_rows is None:
             bsnd_query = query[:tokens].contiguous().view(bsnd)
         else:
@@ -371,3 +421,47 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         flat = attn_out.view(batch * q_s, self.num_heads, self.head_size)
         output[:tokens] = flat if meta.padded_rows is None else flat[meta.padded_rows]
         return output
+
+
+def graph_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, num_kv_heads: int,
+                           scale: float) -> torch.Tensor:
+    """Paged attention of a uniform batch from device tensors only, so an NPU graph can
+    hold it and replay it for new sequence lengths and block tables.
+
+    ``query`` ``[B, Q, N, D]`` (each request's ``Q`` newest tokens), the caches ``(blocks,
+    block_size, num_kv_heads * D)``, ``block_table`` ``[B, max_blocks]``, ``seq_lens``
+    ``[B]`` (cached plus new tokens; 0 for padding requests, which then see their first
+    ``Q`` keys). Query ``i`` of a request of length ``L`` sees keys ``j <= L - Q + i``, as
+    the fused op's right-down causal mode. Returns ``[B, Q, N, D]`` in the query's dtype.
+    Every request reads its whole block-table row, so the work grows with the table's
+    width, not with its length: the price of having no host lengths.
+    """
+    batch, q_len, num_heads, head_size = query.shape
+    _, block_size, _ = key_cache.shape
+    blocks = block_table.long()
+    width = blocks.shape[1] * block_size
+    shape = (batch, width, num_kv_heads, head_size)
+    keys = key_cache[blocks].reshape(shape).float()
+    values = value_cache[blocks].reshape(shape).float()
+    lengths = seq_lens.to(torch.long).clamp(min=q_len)
+    positions = torch.arange(width, device=query.device)
+    in_sequence = positions[None, :] < lengths[:, None]  # [B, W]
+    # Slots past a sequence may hold anything (never written): zero them before the sums.
+    keys = keys.masked_fill(~in_sequence[:, :, None, None], 0.0)
+    values = values.masked_fill(~in_sequence[:, :, None, None], 0.0)
+    group = num_heads // num_kv_heads
+    if group > 1:
+        keys = keys[:, :, :, None, :].expand(*shape[:3], group, head_size).reshape(
+            batch, width, num_heads, head_size)
+        values = values[:, :, :, None, :].expand(*shape[:3], group, head_size).reshape(
+            batch, width, num_heads, head_size)
+    scores = torch.einsum("bqnd,bwnd->bnqw", query.float(), keys) * scale
+    offsets = torch.arange(q_len, device=query.device)
+    visible = lengths[:, None] - q_len + offsets[None, :] + 1  # [B, Q] keys each query sees
+    allowed = positions[None, None, :] < visible[:, :, None]  # [B, Q, W]
+    scores = scores.masked_fill(~allowed[:, None, :, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bnqw,bwnd->bqnd", probs, values)
+    return out.to(query.dtype)

@@ -34,7 +34,7 @@ except Exception as error:  # CANN missing surfaces as ImportError, OSError or R
     ) from error
 
 if TYPE_CHECKING:
-    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.config import VllmConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
@@ -91,6 +91,12 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         from ascend_core.worker.triton_fallbacks import TRITON_FALLBACKS
 
         register_kernels(TRITON_FALLBACKS)
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        # NPUGraph capture of whole decode steps; check_and_update_config decides whether a
+        # given configuration gets it (FULL decode graphs, or eager).
+        return True
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
@@ -220,7 +226,7 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         ):
             cache_config.block_size = DEFAULT_BLOCK_SIZE
 
-        _run_eagerly(vllm_config.compilation_config)
+        _configure_graphs(vllm_config)
 
         if ALLOC_CONF_VAR not in os.environ:
             os.environ[ALLOC_CONF_VAR] = DEFAULT_ALLOC_CONF
@@ -231,18 +237,50 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         enable_in_compilation_config(vllm_config.compilation_config)
 
 
-def _run_eagerly(compilation_config: CompilationConfig) -> None:
-    """No torch.compile and no graph capture: neither has an NPU implementation here yet."""
+def _configure_graphs(vllm_config: VllmConfig) -> None:
+    """No torch.compile (Inductor has no NPU backend); FULL decode graphs on NPUGraph when
+    the user's compilation config asks for full graphs (``cudagraph_mode`` FULL or
+    FULL_DECODE_ONLY) and ``enforce_eager`` is off; every other batch, and every batch
+    otherwise, runs eagerly. PIECEWISE graphs need Dynamo's graph splitting and a compiled
+    backend, so they are not offered."""
     from vllm.config import CompilationMode, CUDAGraphMode
 
+    from ascend_core.worker.npu_model_runner import plan_decode_capture_sizes
+
+    compilation_config = vllm_config.compilation_config
     if compilation_config.mode != CompilationMode.NONE:
         logger.info(
             "npu target: compilation mode %s is not supported (no Inductor backend for "
-            "NPUs); running eagerly.",
+            "NPUs); running the model eagerly.",
             compilation_config.mode,
         )
         compilation_config.mode = CompilationMode.NONE
-    if compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
-        logger.info("npu target: graph capture (ACL graphs) is not implemented yet; disabled.")
-        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    asked = compilation_config.cudagraph_mode
+    model_config = vllm_config.model_config
+    enforce_eager = model_config is None or model_config.enforce_eager
+    if asked in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY) and not enforce_eager:
+        speculative = vllm_config.speculative_config
+        spec_tokens = (speculative.num_speculative_tokens or 0) if speculative else 0
+        scheduler = vllm_config.scheduler_config
+        # Padding tokens of a captured batch write their KV into vLLM's null block, one
+        # slot each (AscendAttentionImpl.do_kv_cache_update): at most one block of tokens.
+        block_size = vllm_config.cache_config.block_size
+        planned = plan_decode_capture_sizes(scheduler.max_num_seqs, spec_tokens,
+                                            scheduler.max_num_batched_tokens)
+        sizes = [size for size in planned if size <= block_size]
+        if len(sizes) < len(planned):
+            logger.info("npu target: decode batches above %d tokens (one KV block) run "
+                        "eagerly; not captured: %s.", block_size, planned[len(sizes):])
+        compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+        compilation_config.cudagraph_capture_sizes = sizes
+        compilation_config.max_cudagraph_capture_size = max(sizes)
+        logger.info("npu target: FULL decode graphs (NPUGraph) for %s tokens; other batches "
+                    "run eagerly.", sizes)
+        return
+    if asked not in (None, CUDAGraphMode.NONE):
+        logger.info(
+            "npu target: cudagraph_mode %s%s is not supported; running eagerly. Pass "
+            "compilation_config={'cudagraph_mode': 'FULL_DECODE_ONLY'} without enforce_eager "
+            "for FULL decode graphs.", asked, " with enforce_eager" if enforce_eager else "")
+    compilation_config.cudagraph_mode = CUDAGraphMode.NONE
     compilation_config.cudagraph_capture_sizes = []

@@ -10,11 +10,20 @@ works, the way vLLM's own ``CPUModelRunner`` swaps them for placeholders. Everyt
 -- pinned host buffers, KV-cache allocation in the layout the attention backend declares,
 the dummy and profiling runs -- is vLLM's own code running on the ``npu`` device.
 
-Graph capture: the runner plans the decode batch sizes it would capture
+Graph capture: the runner plans the decode batch sizes to capture
 (``plan_decode_capture_sizes``, from ``max_num_seqs`` and the speculative tokens) and checks
-them against the KV cache once it is allocated (``check_capture_sizes_fit_cache``). Capture
-and replay themselves are not done yet: the npu platform runs eagerly, and ``capture_model``
-says so.
+them against the KV cache once it is allocated (``check_capture_sizes_fit_cache``). When the
+platform has turned on FULL decode graphs (``CUDAGraphMode.FULL_DECODE_ONLY``, see
+``ascend_core.platform.npu``), capture and replay are vLLM's own machinery -- its
+``CudagraphDispatcher`` picks the padded decode size, ``CUDAGraphWrapper`` around the model
+captures one graph per size and replays it -- with ``torch.cuda.CUDAGraph`` /
+``torch.cuda.graph`` pointed at ``torch.npu.NPUGraph`` / ``torch.npu.graph`` by
+``npu_device_names``. The model itself stays eager (no torch.compile: there is no Inductor
+backend for NPUs, so PIECEWISE graphs, which need Dynamo's graph splitting, are not
+offered). What a captured step needs from the rest of the runner: KV slots that are valid for
+padding tokens too (``_get_slot_mappings``) and attention metadata whose host arguments live
+in buffers kept per batch size (``AscendAttentionMetadataBuilder``). ``graph_replays`` counts
+replays in this process.
 
 The speculative proposer and rejection sampler come from core's registries through the same
 hooks the host runner uses (``ascend_core.worker.speculative``); quantization and EPLB run
@@ -31,6 +40,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import vllm.compilation.cuda_graph as cuda_graph_module
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ascend_core.worker.speculative import (
@@ -47,14 +57,24 @@ _SMALL_REQUEST_COUNTS = (1, 2, 4)
 _MEDIUM_STEP, _MEDIUM_LIMIT, _LARGE_STEP = 8, 256, 16
 
 
+def _strong_refs(tensors: Any) -> Any:
+    """Stand-in for vLLM's ``weak_ref_tensors`` (a vllm._C op, built for CUDA and the CPU
+    only): a captured graph's outputs are kept as they are. The graph keeps the tensors it
+    captured alive anyway (its pool), so nothing more is held."""
+    return tensors
+
+
 def _npu_name_map() -> dict[tuple[Any, str], Any]:
     """(owner, attribute) -> the torch.npu object that stands in for it."""
     npu = torch.npu
     return {
+        (cuda_graph_module, "weak_ref_tensors"): _strong_refs,
         (torch.cuda, "Stream"): npu.Stream,
         (torch.cuda, "Event"): npu.Event,
         (torch.cuda, "current_stream"): npu.current_stream,
         (torch.cuda, "stream"): npu.stream,
+        (torch.cuda, "CUDAGraph"): _counting_npu_graph_cls(),
+        (torch.cuda, "graph"): npu.graph,
         (torch, "Event"): _NPUEvent,
         (torch.accelerator, "synchronize"): npu.synchronize,
         (torch.accelerator, "empty_cache"): npu.empty_cache,
@@ -65,6 +85,22 @@ def _npu_name_map() -> dict[tuple[Any, str], Any]:
         (torch.accelerator, "reset_peak_memory_stats"): npu.reset_peak_memory_stats,
         (torch.accelerator, "device_count"): npu.device_count,
     }
+
+
+_graph_replays = [0]
+
+
+@functools.cache
+def _counting_npu_graph_cls() -> type:
+    """``torch.npu.NPUGraph`` that counts its replays (``NPUModelRunner.graph_replays``);
+    made on first use, since ``torch.npu`` exists only once torch_npu is imported."""
+
+    class CountingNPUGraph(torch.npu.NPUGraph):
+        def replay(self) -> None:
+            super().replay()
+            _graph_replays[0] += 1
+
+    return CountingNPUGraph
 
 
 class _NPUEvent:
@@ -180,6 +216,17 @@ class NPUModelRunner(GPUModelRunner):
         self.decode_query_len = 1 + (self.num_spec_tokens or 0)
         self.graph_capture_sizes = self._plan_graph_capture_sizes()
 
+    @property
+    def full_decode_graphs(self) -> bool:
+        """Whether decode batches run as captured FULL graphs (the platform's choice)."""
+        mode = self.compilation_config.cudagraph_mode
+        return mode is not None and mode.has_full_cudagraphs()
+
+    @property
+    def graph_replays(self) -> int:
+        """NPU graph replays in this process so far."""
+        return _graph_replays[0]
+
     def _plan_graph_capture_sizes(self) -> list[int]:
         """The decode sizes graph mode will capture; empty when the model runs eagerly."""
         if self.model_config.enforce_eager:
@@ -243,7 +290,13 @@ class NPUModelRunner(GPUModelRunner):
         by_group, by_layer = super()._get_slot_mappings(
             num_tokens_padded, num_reqs_padded, num_tokens_unpadded, ubatch_slices
         )
-        if isinstance(by_layer, dict):
+        if isinstance(by_layer, dict) and self.full_decode_graphs:
+            # A captured graph writes the KV of every padded token through the slot tensor
+            # it saw at capture: the attention layers get vLLM's whole padded view of its
+            # slot buffer, and send its -1s (padding, dummy runs) to the null block
+            # (AscendAttentionImpl.do_kv_cache_update).
+            pass
+        elif isinstance(by_layer, dict):
             if self._dummy_run_depth:
                 by_layer = {}
             else:
@@ -258,10 +311,13 @@ class NPUModelRunner(GPUModelRunner):
     def shutdown(self, *args, **kwargs):
         return super().shutdown(*args, **kwargs)
 
+    @_on_npu
     def capture_model(self) -> int:
-        """Graph capture: not done yet on the npu target, which runs every batch eagerly."""
-        if self.graph_capture_sizes:
-            logger.info(
-                "npu target: NPU graph capture is not implemented yet; the decode sizes %s "
-                "(checked against the KV cache) run eagerly.", self.graph_capture_sizes)
-        return 0
+        """Capture the FULL decode graphs (vLLM's loop, on NPU graphs); eager otherwise."""
+        if not self.full_decode_graphs:
+            logger.info("npu target: no graph capture (cudagraph_mode %s); every batch runs "
+                        "eagerly.", self.compilation_config.cudagraph_mode)
+            return 0
+        logger.info("npu target: capturing FULL decode graphs (NPUGraph) for %s tokens.",
+                    self.compilation_config.cudagraph_capture_sizes)
+        return super().capture_model()
