@@ -43,11 +43,12 @@ def test_device_only_decode_attention_is_plain_attention(torch_npu, q_len):  # n
     out = graph_decode_attention(batch.query.view(3, q_len, HEADS, HEAD_SIZE), key_cache,
                                  value_cache, batch.block_table,
                                  torch.tensor(batch.seq_lens), KV_HEADS, HEAD_SIZE ** -0.5)
-    torch.testing.assert_close(out.reshape(-1, HEADS, HEAD_SIZE).float(),
+    torch.testing.assert_close(out.reshape(-1, HEADS, HEAD_SIZE),
                                batch.expected(HEAD_SIZE ** -0.5), atol=TOL[torch.bfloat16],
                                rtol=TOL[torch.bfloat16])
 
 
+@torch.inference_mode()  # as vLLM runs the model
 def test_captured_decode_step_replays_like_eager_on_new_inputs(torch_npu):  # noqa: F811
     """Static buffers as vLLM's runner keeps them (query, KV, seq lens, block table, slots
     for a padded batch of 4 requests); capture with one batch, replay with two others of 3

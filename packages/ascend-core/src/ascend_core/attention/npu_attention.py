@@ -391,11 +391,17 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         block_size = key_cache.shape[1]
         batch, q_s = meta.num_reqs, meta.max_query_len
         bsnd = (batch, q_s, self.num_heads, self.head_size)
+        if meta.graph_seq_lens is None and torch.npu.is_current_stream_capturing():
+            raise RuntimeError(
+                "An NPU graph is capturing a batch whose attention metadata is not the "
+                f"graph kind (num_reqs={meta.num_reqs}, query_lens={meta.query_lens}): the "
+                "fused op's host sequence lengths would stay frozen in the graph. Only "
+                "uniform decode batches under FULL decode graphs can be captured.")
         if meta.graph_seq_lens is not None:
             bsnd_out = graph_decode_attention(
                 query[:tokens].contiguous().view(bsnd), key_cache, value_cache,
                 meta.block_table, meta.graph_seq_lens, self.num_kv_heads, self.scale)
-            output[:tokens] = bsnd_out.reshape(tokens, self.num_heads, self.head_size)
+            output[:tokens].view(bsnd_out.shape).copy_(bsnd_out)
             return output
         if meta.padded_rows is None:
             bsnd_query = query[:tokens].contiguous().view(bsnd)
@@ -434,34 +440,36 @@ def graph_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     block_size, num_kv_heads * D)``, ``block_table`` ``[B, max_blocks]``, ``seq_lens``
     ``[B]`` (cached plus new tokens; 0 for padding requests, which then see their first
     ``Q`` keys). Query ``i`` of a request of length ``L`` sees keys ``j <= L - Q + i``, as
-    the fused op's right-down causal mode. Returns ``[B, Q, N, D]`` in the query's dtype.
+    the fused op's right-down causal mode. Returns ``[B, Q, num_kv_heads, N / num_kv_heads,
+    D]`` (query heads grouped by KV head, i.e. ``[B, Q, N, D]`` once viewed) in float32;
+    the caller copies it into its output, which casts. No casts (``.to``, ``.float()``) nor
+    reshapes that copy inside: the reference torch_npu's graphs do not record them under
+    inference mode, where vLLM runs the model, so type promotion and views do that work.
     Every request reads its whole block-table row, so the work grows with the table's
     width, not with its length: the price of having no host lengths.
     """
     batch, q_len, num_heads, head_size = query.shape
     _, block_size, _ = key_cache.shape
-    blocks = block_table.long()
-    width = blocks.shape[1] * block_size
+    device = query.device
+    width = block_table.shape[1] * block_size
     shape = (batch, width, num_kv_heads, head_size)
-    keys = key_cache[blocks].reshape(shape).float()
-    values = value_cache[blocks].reshape(shape).float()
-    lengths = seq_lens.to(torch.long).clamp(min=q_len)
-    positions = torch.arange(width, device=query.device)
+    # float32 arithmetic through type promotion (a [1] float32 factor) rather than casts.
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    keys = key_cache[block_table].reshape(shape) * one
+    values = value_cache[block_table].reshape(shape) * one
+    positions = torch.arange(width, device=device)
+    # Padding requests (length 0) see their first q_len keys, so no row is empty.
+    lengths = torch.clamp(seq_lens, min=q_len)
     in_sequence = positions[None, :] < lengths[:, None]  # [B, W]
     # Slots past a sequence may hold anything (never written): zero them before the sums.
     keys = keys.masked_fill(~in_sequence[:, :, None, None], 0.0)
     values = values.masked_fill(~in_sequence[:, :, None, None], 0.0)
-    group = num_heads // num_kv_heads
-    if group > 1:
-        keys = keys[:, :, :, None, :].expand(*shape[:3], group, head_size).reshape(
-            batch, width, num_heads, head_size)
-        values = values[:, :, :, None, :].expand(*shape[:3], group, head_size).reshape(
-            batch, width, num_heads, head_size)
-    scores = torch.einsum("bqnd,bwnd->bnqw", query.float(), keys) * scale
-    offsets = torch.arange(q_len, device=query.device)
+    # Query heads grouped by their KV head: [B, Q, KV heads, group, D] (a view).
+    grouped = query.view(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_size)
+    scores = torch.einsum("bqhgd,bwhd->bhgqw", grouped * one, keys) * scale
+    offsets = torch.arange(q_len, device=device)
     visible = lengths[:, None] - q_len + offsets[None, :] + 1  # [B, Q] keys each query sees
     allowed = positions[None, None, :] < visible[:, :, None]  # [B, Q, W]
-    scores = scores.masked_fill(~allowed[:, None, :, :], float("-inf"))
+    scores = scores.masked_fill(~allowed[:, None, None, :, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bnqw,bwnd->bqnd", probs, values)
-    return out.to(query.dtype)
+    return torch.einsum("bhgqw,bwhd->bqhgd", probs, values)
