@@ -166,3 +166,22 @@ def test_captured_tensors_stay_allocated_until_reset(torch_npu):
     assert torch.npu.memory_allocated() == 3 * 1024  # the graph keeps its tensors
     graph.reset()
     assert torch.npu.memory_allocated() == 1024
+
+
+def test_copying_reshapes_and_casts_under_inference_mode_are_replayed(torch_npu):
+    # Under inference mode the mode sees aten.reshape / aten.to (view-annotated) instead of
+    # their clone / _to_copy; when they copy, replay must compute them again.
+    with torch.inference_mode():
+        static_x = torch.zeros(2, 3, dtype=torch.int32, device="npu")
+        graph = torch.npu.NPUGraph()
+        with torch.npu.graph(graph):
+            flat = static_x.t().reshape(6)
+            as_float = static_x.float()
+            same = static_x.reshape(3, 2)  # a true view: not a step
+        assert graph.step_names() == ["aten.reshape.default", "aten.to.dtype"]
+        x = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+        static_x.copy_(x)
+        graph.replay()
+    torch.testing.assert_close(flat.cpu(), x.t().reshape(6))
+    torch.testing.assert_close(as_float.cpu(), x.float())
+    torch.testing.assert_close(same.cpu(), x.reshape(3, 2))

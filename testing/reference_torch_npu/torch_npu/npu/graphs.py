@@ -160,9 +160,19 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)  # host work: runs once, not in the graph
         _check_capturable(func, args, kwargs)
         result = func(*args, **kwargs)
-        if not func.is_view:
+        if not func.is_view or not _aliases_an_input(result, (args, kwargs)):
+            # Ops marked as views that copied this time (under inference mode the mode sees
+            # aten.reshape / aten.to themselves, which copy when they cannot alias) are
+            # work on the device like any other.
             self.graph._steps.append(_Step(func, args, kwargs, result, str(func)))
         return result
+
+
+def _aliases_an_input(result, inputs) -> bool:
+    storages = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(inputs)
+                if isinstance(t, torch.Tensor)}
+    return all(t.untyped_storage().data_ptr() in storages
+               for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor))
 
 
 class NPUGraph:
