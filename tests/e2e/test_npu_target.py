@@ -10,6 +10,8 @@ float16/bfloat16 only), on the same prompts, greedy, 16 tokens each:
 - dense Llama (hidden 128, head_dim 32): every token of every prompt equal;
 - n-gram and Medusa speculative decoding on the npu target: every token equal to the npu
   target without speculation;
+- FULL decode graphs (NPUGraph, vLLM's CUDAGraphWrapper): every token equal to the eager npu
+  run, with decode steps replayed from captured graphs;
 - W8A8 (compressed-tensors, dynamic per-token activations) Llama checkpoint, against the
   host target serving the same checkpoint, and tensor parallel 2 (two reference NPUs, HCCL =
   gloo underneath) against TP 1: here the sums are formed in another order (the int8
@@ -227,3 +229,25 @@ def test_moe_model_on_npu_equals_the_host_target(qwen3_moe):
     assert "AscendUnquantizedFusedMoEMethod" in worker["layer_classes"]
     assert len({tuple(ids) for ids in host["token_ids"]}) == len(PROMPTS)
     assert_equal_up_to_near_ties(npu, host, "qwen3-MoE npu vs host")
+
+
+# --- FULL decode graphs -----------------------------------------------------------------------
+
+# FULL decode graphs on NPUGraph, asked for as a user would (run_llm.py defaults to eager).
+GRAPHS = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "enforce_eager": False,
+          "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def llama_npu_graphs(llama) -> dict:
+    return run(llama, NPU, **GRAPHS)
+
+
+def test_dense_llama_with_full_decode_graphs_keeps_greedy_tokens(llama_npu_graphs, llama_npu):
+    assert_on_npu(llama_npu_graphs)
+    (worker,) = llama_npu_graphs["workers"]
+    # Decode steps replayed captured graphs: 16 tokens per prompt, the first from prefill.
+    assert worker["graph_replays"] >= 15
+    (eager_worker,) = llama_npu["workers"]
+    assert eager_worker["graph_replays"] == 0
+    assert llama_npu_graphs["token_ids"] == llama_npu["token_ids"]
