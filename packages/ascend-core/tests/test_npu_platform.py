@@ -375,3 +375,53 @@ def test_worker_refuses_an_npu_without_the_requested_memory(
     worker = _new_worker(config, local_rank=0)
     with set_current_vllm_config(config), pytest.raises(ValueError, match="less than"):
         worker.init_device()
+
+
+# --- graph mode -------------------------------------------------------------------------------
+
+
+def _graph_request(npu, mode, *, enforce_eager=False, world_size=1, max_num_seqs=8,
+                   speculative_tokens=None):
+    """``_configure_graphs`` on a config as vLLM hands it over (built on this process's CPU
+    platform, the user's graph mode put back, a model stand-in with ``enforce_eager``)."""
+    from types import SimpleNamespace
+
+    config = VllmConfig()
+    config.compilation_config.cudagraph_mode = mode
+    config.model_config = SimpleNamespace(enforce_eager=enforce_eager)
+    config.parallel_config.world_size = world_size
+    config.scheduler_config.max_num_seqs = max_num_seqs
+    config.scheduler_config.max_num_batched_tokens = 2048
+    config.cache_config.block_size = 128
+    config.speculative_config = (None if speculative_tokens is None else
+                                 SimpleNamespace(num_speculative_tokens=speculative_tokens))
+    npu._configure_graphs(config)
+    return config.compilation_config
+
+
+@pytest.mark.parametrize("mode", [CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY])
+def test_full_graphs_asked_for_give_full_decode_graphs_of_the_planned_sizes(npu, mode):
+    compilation = _graph_request(npu, mode, max_num_seqs=20)
+    assert compilation.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert compilation.cudagraph_capture_sizes == [1, 2, 4, 8, 16, 20]
+    assert compilation.max_cudagraph_capture_size == 20
+    assert compilation.mode == CompilationMode.NONE
+
+
+def test_graph_sizes_count_speculative_tokens_and_stop_at_one_kv_block(npu):
+    # 3 tokens per request; 48 requests would be 144 tokens, more than a 128-token block.
+    compilation = _graph_request(npu, CUDAGraphMode.FULL_DECODE_ONLY, max_num_seqs=48,
+                                 speculative_tokens=2)
+    assert compilation.cudagraph_capture_sizes == [3, 6, 12, 24, 48, 72, 96, 120]
+
+
+@pytest.mark.parametrize(("mode", "kwargs"), [
+    (CUDAGraphMode.FULL_AND_PIECEWISE, {}),
+    (CUDAGraphMode.PIECEWISE, {}),
+    (CUDAGraphMode.FULL_DECODE_ONLY, {"enforce_eager": True}),
+    (CUDAGraphMode.FULL_DECODE_ONLY, {"world_size": 2}),
+])
+def test_everything_else_runs_eagerly(npu, mode, kwargs):
+    compilation = _graph_request(npu, mode, **kwargs)
+    assert compilation.cudagraph_mode == CUDAGraphMode.NONE
+    assert compilation.cudagraph_capture_sizes == []

@@ -258,7 +258,14 @@ def _configure_graphs(vllm_config: VllmConfig) -> None:
     asked = compilation_config.cudagraph_mode
     model_config = vllm_config.model_config
     enforce_eager = model_config is None or model_config.enforce_eager
-    if asked in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY) and not enforce_eager:
+    wants_full = asked in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY)
+    parallel = vllm_config.parallel_config
+    if wants_full and not enforce_eager and parallel.world_size > 1:
+        # vLLM's graph_capture() hands capture to CUDA/XPU communicators only.
+        logger.info("npu target: FULL decode graphs run on one NPU only (world size %d); "
+                    "running eagerly.", parallel.world_size)
+        wants_full = False
+    if wants_full and not enforce_eager:
         speculative = vllm_config.speculative_config
         spec_tokens = (speculative.num_speculative_tokens or 0) if speculative else 0
         scheduler = vllm_config.scheduler_config
