@@ -144,10 +144,12 @@ def e2e(session: nox.Session) -> None:
     _install_vllm(session)
     # Editable, with the leaf packages' test extras (their vLLM-facing tests run here);
     # ninja: the npu-target tests import the reference torch_npu, which compiles its device.
-    session.install("pytest", "ninja", *(f"-e{PACKAGES / name}[test]" if name in SIBLINGS
+    session.install("pytest", "pytest-xdist", "ninja", *(f"-e{PACKAGES / name}[test]" if name in SIBLINGS
                                 else f"-e{PACKAGES / name}" for name in ALL))
-    session.run("pytest", str(ROOT / "tests" / "e2e"), "-v", "--durations=15",
-                *session.posargs)
+    # Two test files at a time: an engine start is mostly one core's Python work, so two
+    # files' engines overlap well on a 2-core machine (module-scoped engines stay per file).
+    session.run("pytest", str(ROOT / "tests" / "e2e"), "-v", "--durations=25",
+                "-n", "2", "--dist", "loadfile", *session.posargs)
     # The leaf packages' tests that need vLLM, each package from its own tests folder
     # (its conftest) as rootdir.
     for name in SIBLINGS:
