@@ -8,10 +8,12 @@ How the reference models a graph (it has no device queue to capture):
 
 - **Capture** runs the body eagerly and records, as steps, the work issued to the NPU: each
   aten op that touches an npu tensor or names the npu device (seen through a
-  ``TorchDispatchMode``, so after autograd and after composite ops decomposed), and each
-  reference torch_npu function called on npu tensors (one step, as one kernel launch). Host
-  work (ops on CPU tensors only, Python) runs once and is not part of the graph, as on a
-  device. View ops only change metadata and are not replayed.
+  ``TorchDispatchMode``, so after autograd and, outside inference mode, after composite ops
+  decomposed), and each reference torch_npu function called on npu tensors (one step, as
+  one kernel launch). Host work (ops on CPU tensors only, Python) runs once and is not part
+  of the graph, as on a device. View ops only change metadata and are not replayed, unless
+  they copied (under inference mode the mode sees ``aten.reshape`` / ``aten.to``, which
+  copy when they cannot alias): then they are steps like any other.
 - **Replay** runs the steps again, in order, on the very tensors recorded: the static
   inputs as they are now, the captured intermediates and outputs. An op that wrote into a
   tensor writes into it again; an op that made a fresh tensor computes it again and the
