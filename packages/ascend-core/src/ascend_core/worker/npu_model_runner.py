@@ -290,10 +290,13 @@ class NPUModelRunner(GPUModelRunner):
         by_group, by_layer = super()._get_slot_mappings(
             num_tokens_padded, num_reqs_padded, num_tokens_unpadded, ubatch_slices
         )
-        if isinstance(by_layer, dict) and self.full_decode_graphs:
+        sizes = self.compilation_config.cudagraph_capture_sizes or []
+        if isinstance(by_layer, dict) and self.full_decode_graphs and (
+                num_tokens_padded <= max(sizes, default=0)):
             # A captured graph writes the KV of every padded token through the slot tensor
-            # it saw at capture: the attention layers get vLLM's whole padded view of its
-            # slot buffer, and send its -1s (padding, dummy runs) to the null block
+            # it saw at capture: up to the largest captured size (at most one KV block of
+            # tokens), the attention layers get vLLM's whole padded view of its slot
+            # buffer and send its -1s (padding, dummy runs) to the null block
             # (AscendAttentionImpl.do_kv_cache_update).
             pass
         elif isinstance(by_layer, dict):
