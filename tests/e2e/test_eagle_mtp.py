@@ -149,3 +149,46 @@ def test_draft_for_another_hidden_size_fails_at_start_up(llama_dir):
     assert "DraftConfigError" in output
     assert "reads target hidden states of size 256" in output
     assert "the target model's hidden size is 128" in output
+
+
+def eagle_start_failure(target: str, method: str, draft: str) -> str:
+    return start_failure({"model": target, "prompts": ["x"],
+                          "llm": {"speculative_config": {"method": method, "model": draft,
+                                                         "num_speculative_tokens": K}}},
+                         HOST)
+
+
+def test_draft_of_the_other_eagle_kind_fails_at_start_up(llama_dir):
+    from ascend_plugin.tiny_drafts import ensure_eagle3_draft
+
+    # Stock vLLM fails later, loading weights: "no module or parameter named 'd2t'".
+    output = eagle_start_failure(llama_dir, "eagle", str(ensure_eagle3_draft(llama_dir)))
+    assert "DraftConfigError" in output
+    assert "is an EAGLE-3 draft (fc.weight [128, 384]" in output
+    assert "serve it with method 'eagle3'" in output
+
+
+def test_full_model_passed_as_an_eagle_draft_fails_at_start_up(llama_dir):
+    # A checkpoint of the target's own architecture that is not a draft: vLLM accepts the
+    # config and would fail loading weights; our check names what is wrong.
+    output = eagle_start_failure(llama_dir, "eagle", llama_dir)
+    assert "DraftConfigError" in output
+    assert "is not an EAGLE draft (its weights have no fc.weight" in output
+
+
+def test_eagle_checkpoint_for_another_architecture_fails_at_start_up(llama_dir):
+    from ascend_plugin.tiny_models import ensure_model
+
+    # A Qwen2 checkpoint as an EAGLE draft: vLLM's config check refuses the draft
+    # architecture it would need (EagleQwen2ForCausalLM) and names it.
+    output = eagle_start_failure(llama_dir, "eagle", str(ensure_model("qwen2")))
+    assert "Model architectures ['EagleQwen2ForCausalLM'] are not supported" in output
+
+
+def test_unknown_speculative_method_fails_at_start_up(llama_dir):
+    output = start_failure({"model": llama_dir, "prompts": ["x"],
+                            "llm": {"speculative_config": {"method": "medusaa",
+                                                           "num_speculative_tokens": K}}},
+                           HOST)
+    assert "medusaa" in output
+    assert "'medusa'" in output and "'eagle3'" in output  # the valid methods are listed

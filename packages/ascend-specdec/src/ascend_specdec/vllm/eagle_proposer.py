@@ -37,7 +37,7 @@ from ascend_kernels.spec_decode import (
     sample_indices_padded,
     step_positions_and_slots,
 )
-from ascend_specdec.eagle import check_draft_against_target
+from ascend_specdec.eagle import check_draft_against_target, check_draft_weights
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ class AscendEagleProposer(EagleProposer):
             method=spec_config.method, draft_reads_hidden_size=draft_reads,
             target_hidden_size=target_hidden,
             where=str(spec_config.draft_model_config.model))
+        check_draft_weights(method=spec_config.method,
+                            draft_folder=spec_config.draft_model_config.model,
+                            target_hidden_size=target_hidden)
         super().__init__(vllm_config, device, runner)
         self.ascend_counters: Counter[str] = Counter()
 
