@@ -144,8 +144,9 @@ def e2e(session: nox.Session) -> None:
     _install_vllm(session)
     # Editable, with the leaf packages' test extras (their vLLM-facing tests run here);
     # ninja: the npu-target tests import the reference torch_npu, which compiles its device.
-    session.install("pytest", "pytest-xdist", "ninja", *(f"-e{PACKAGES / name}[test]" if name in SIBLINGS
-                                else f"-e{PACKAGES / name}" for name in ALL))
+    editable = [f"-e{PACKAGES / name}[test]" if name in SIBLINGS else f"-e{PACKAGES / name}"
+                for name in ALL]
+    session.install("pytest", "pytest-xdist", "ninja", *editable)
     # Two test files at a time: an engine start is mostly one core's Python work, so two
     # files' engines overlap well on a 2-core machine (module-scoped engines stay per file).
     session.run("pytest", str(ROOT / "tests" / "e2e"), "-v", "--durations=25",
