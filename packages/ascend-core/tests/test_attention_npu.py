@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,8 +37,8 @@ from ascend_core.attention.npu_attention import (
     AscendAttentionMetadataBuilder,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-REFERENCE_PATH = str(REPO_ROOT / "testing" / "reference_torch_npu")
+from npu_reference import reference_on_path
+
 TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 BLOCK_SIZE = 128
 NUM_BLOCKS = 12
@@ -48,21 +46,8 @@ NUM_BLOCKS = 12
 
 @pytest.fixture(scope="module")
 def torch_npu():
-    # transformers decides once per process whether torch_npu exists; decide before the
-    # reference is importable (as test_npu_platform does).
-    from transformers.utils import import_utils
-
-    import_utils.is_torch_npu_available()
-    import_utils.is_torch_npu_available(check_device=True)
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    try:
+    with reference_on_path(forget=["ascend_core.platform.npu"]):
         yield importlib.import_module("torch_npu")
-    finally:
-        sys.modules.pop("ascend_core.platform.npu", None)
-        if "torch_npu" in sys.modules:
-            importlib.import_module("torch_npu._reference").uninstall()
-        sys.path.remove(REFERENCE_PATH)
 
 
 def _spec(kv_heads, head_size, dtype, block_size=BLOCK_SIZE):

@@ -7,8 +7,6 @@ End-to-end runs of the runner through vLLM: tests/e2e/test_npu_target.py.
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +17,8 @@ from ascend_core.worker.npu_model_runner import (
     plan_decode_capture_sizes,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-REFERENCE_PATH = str(REPO_ROOT / "testing" / "reference_torch_npu")
+from npu_reference import reference_on_path
+
 NPU_MODULES = (
     "ascend_core.platform.npu",
     "ascend_core.worker.npu_worker",
@@ -90,21 +88,8 @@ def test_speculative_capture_sizes_are_checked_in_requests():
 @pytest.fixture(scope="module")
 def reference_npu():
     """torch_npu imported from the reference, dropped again when the module's tests end."""
-    from transformers.utils import import_utils
-
-    # transformers decides once per process whether torch_npu exists; decide it first.
-    import_utils.is_torch_npu_available()
-    import_utils.is_torch_npu_available(check_device=True)
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    try:
+    with reference_on_path(forget=NPU_MODULES):
         yield importlib.import_module("torch_npu")
-    finally:
-        for name in NPU_MODULES:
-            sys.modules.pop(name, None)
-        if "torch_npu" in sys.modules:
-            importlib.import_module("torch_npu._reference").uninstall()
-        sys.path.remove(REFERENCE_PATH)
 
 
 def test_device_names_point_at_torch_npu_and_are_restored(reference_npu):

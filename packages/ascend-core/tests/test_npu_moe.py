@@ -5,8 +5,6 @@ MoE written here (softmax, top-k, renormalisation, per-expert SwiGLU MLPs in flo
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,30 +12,18 @@ import torch
 from ascend_core.ops.moe import AscendUnquantizedFusedMoEMethod, fused_moe
 from ascend_kernels.dispatch import torch_npu_module
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-REFERENCE_PATH = str(REPO_ROOT / "testing" / "reference_torch_npu")
+from npu_reference import reference_on_path
+
 NPU_OPS = ("npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_grouped_matmul",
            "npu_swiglu")
 
 
 @pytest.fixture(scope="module")
 def reference_npu():
-    from transformers.utils import import_utils
-
-    import_utils.is_torch_npu_available()
-    import_utils.is_torch_npu_available(check_device=True)
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    torch_npu_module.cache_clear()
-    try:
+    with reference_on_path():
         module = importlib.import_module("torch_npu")
         assert torch_npu_module() is module
         yield module
-    finally:
-        torch_npu_module.cache_clear()
-        if "torch_npu" in sys.modules:
-            importlib.import_module("torch_npu._reference").uninstall()
-        sys.path.remove(REFERENCE_PATH)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import importlib
 import math
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from ascend_core.config import reset_ascend_config
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-REFERENCE_PATH = str(REPO_ROOT / "testing" / "reference_torch_npu")
+from npu_reference import REFERENCE_PATH, reference_on_path
+
 GiB = 1024**3
 ALLOC_CONF = "PYTORCH_NPU_ALLOC_CONF"
 REFERENCE_ENV = (
@@ -46,30 +45,11 @@ NPU_MODULES = (
 )
 
 
-def _prime_transformers_without_torch_npu() -> None:
-    # transformers decides once per process whether torch_npu is present and then imports
-    # NPU-only code; decide before the reference is importable, so that tests of the host
-    # stack that run later in this process see the machine as it is.
-    from transformers.utils import import_utils
-
-    import_utils.is_torch_npu_available()
-    import_utils.is_torch_npu_available(check_device=True)
-
-
 @pytest.fixture(scope="module")
 def npu_module():
     """``ascend_core.platform.npu`` imported over the reference torch_npu."""
-    _prime_transformers_without_torch_npu()
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    try:
+    with reference_on_path(forget=NPU_MODULES):
         yield importlib.import_module("ascend_core.platform.npu")
-    finally:
-        for name in NPU_MODULES:
-            sys.modules.pop(name, None)
-        if "torch_npu" in sys.modules:
-            importlib.import_module("torch_npu._reference").uninstall()
-        sys.path.remove(REFERENCE_PATH)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 from ascend_core.ops import vllm_custom_ops
+from ascend_core.ops.moe import AscendUnquantizedFusedMoEMethod
 from ascend_core.ops.vllm_custom_ops import (
     AscendRMSNorm,
     AscendRotaryEmbedding,
@@ -28,13 +29,15 @@ def vllm_context():
 
 
 def test_registration_makes_vllm_build_our_layers(vllm_context):
-    assert register_with_vllm() == ["RMSNorm", "RotaryEmbedding", "SiluAndMul"]
+    assert register_with_vllm() == ["RMSNorm", "RotaryEmbedding", "SiluAndMul",
+                                    "UnquantizedFusedMoEMethod"]
     assert register_with_vllm() == []  # once per process, however often plugins load
     assert type(RMSNorm(64)) is AscendRMSNorm
     assert type(SiluAndMul()) is AscendSiluAndMul
     assert type(RotaryEmbedding(64, 64, 128, 10000.0, True, torch.float32)) is (
         AscendRotaryEmbedding)
     assert CUSTOM_OPS.get("RMSNorm") is AscendRMSNorm
+    assert op_registry_oot["UnquantizedFusedMoEMethod"] is AscendUnquantizedFusedMoEMethod
 
 
 def test_another_plugins_replacement_is_not_overwritten(vllm_context):
