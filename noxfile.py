@@ -151,13 +151,13 @@ def e2e(session: nox.Session) -> None:
     # files' engines overlap well on a 2-core machine (module-scoped engines stay per file).
     session.run("pytest", str(ROOT / "tests" / "e2e"), "-v", "--durations=25",
                 "-n", "2", "--dist", "loadfile", *session.posargs)
-    # The leaf packages' tests that need vLLM, each package from its own tests folder
-    # (its conftest) as rootdir.
+    # The leaf packages' tests that need vLLM, each file in its own process (vLLM's Triton
+    # dispatcher scans every loaded module and trips over numba's objects once vLLM's n-gram
+    # proposer is imported), from its package's tests folder (its conftest) as rootdir.
     for name in SIBLINGS:
         tests = PACKAGES / name / "tests"
-        needing_vllm = sorted({str(p) for pattern in NEEDS_VLLM for p in tests.glob(pattern)})
-        if needing_vllm:
-            session.run("pytest", *needing_vllm, "-q", "--rootdir", str(tests))
+        for path in sorted({str(p) for pattern in NEEDS_VLLM for p in tests.glob(pattern)}):
+            session.run("pytest", path, "-q", "--rootdir", str(tests))
 
 
 @nox.session(python="3.11", reuse_venv=False)
