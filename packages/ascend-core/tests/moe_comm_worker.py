@@ -363,9 +363,14 @@ def vllm_data_parallel_config():
 
 
 def init_vllm_data_parallel() -> None:
-    """vLLM's distributed state for the current config, on the platform the plugin picks
-    (the npu one with the reference torch_npu)."""
+    """vLLM's distributed state for the current config, on the npu platform (set here: the
+    ``core`` session installs no ascend-plugin, whose entry point would pick it)."""
+    import vllm.platforms
     from vllm.distributed import parallel_state
+
+    from ascend_core.platform.npu import AscendPlatform
+
+    vllm.platforms._current_platform = AscendPlatform()
 
     parallel_state.init_distributed_environment(
         world_size=WORLD, rank=RANK, local_rank=0, distributed_init_method="file://" + STORE,
