@@ -42,9 +42,9 @@ def test_ngram_speculation_through_our_model_runner(llama_dir, plugin_llama):
     result = run_vllm({"model": llama_dir, "prompts": PROMPTS,
                        "llm": {"speculative_config": spec}}, HOST)
     (worker,) = result["workers"]
-    # ascend-specdec registers no n-gram proposer yet, so vLLM's serves.
-    assert worker["proposer_source"] == "vllm"
-    assert worker["drafter"] == "NgramProposer"
+    # ascend-specdec's n-gram proposer (registered as "ngram") serves, in our model runner.
+    assert worker["proposer_source"] == "ascend"
+    assert worker["drafter"] == "AscendNgramProposer"
     assert result["token_ids"] == plugin_llama["token_ids"]
 
 
