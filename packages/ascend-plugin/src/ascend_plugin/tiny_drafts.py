@@ -28,14 +28,13 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ascend_plugin.tiny_models import (
     BUILD_VERSION,
-    COMPLETE_MARKER,
     DEFAULT_INITIALIZER_RANGE,
+    build_into_cache,
     build_tokenizer,
     cache_root,
     corpus_digest,
@@ -422,22 +421,8 @@ def _ensure(kind: str, **arguments: Any) -> Path:
     final = root / key
     if is_complete(final):
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}.partial-", dir=root))
-    try:
-        _BUILDERS[kind](staging, **arguments)
-        marker = {"key": key, "kind": kind, "arguments": arguments}
-        (staging / COMPLETE_MARKER).write_text(
-            json.dumps(marker, sort_keys=True, indent=2, default=str) + "\n", encoding="utf-8")
-        if final.exists() and not is_complete(final):
-            shutil.rmtree(final)
-        try:
-            os.rename(staging, final)
-        except OSError:
-            if not is_complete(final):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    build_into_cache(final, {"key": key, "kind": kind, "arguments": arguments},
+                     lambda staging: _BUILDERS[kind](staging, **arguments))
     _log(f"{kind} ready in {final}")
     return final
 

@@ -395,6 +395,27 @@ def is_complete(path: Path) -> bool:
     return (path / COMPLETE_MARKER).is_file()
 
 
+def build_into_cache(final: Path, marker: dict, build: Any) -> None:
+    """Run ``build(staging)`` in a temporary folder beside ``final``, write the marker file
+    last and rename the folder into place: a half-written folder is never taken for a build."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    try:
+        build(staging)
+        marker_text = json.dumps(marker, sort_keys=True, indent=2, default=repr) + "\n"
+        (staging / COMPLETE_MARKER).write_text(marker_text, encoding="utf-8")
+        if final.exists() and not is_complete(final):
+            shutil.rmtree(final)  # a folder without the marker is never a build in progress
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not is_complete(final):
+                raise
+            # Another process finished the same build first; keep its folder.
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def ensure_model(kind: str = "llama", **kwargs: Any) -> Path:
     """The folder of a ``build_model(kind=kind, **kwargs)`` build, building it once.
 
@@ -408,23 +429,8 @@ def ensure_model(kind: str = "llama", **kwargs: Any) -> Path:
     if is_complete(final):
         return final
 
-    root.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}.partial-", dir=root))
-    try:
-        build_model(staging, kind, **kwargs)
-        marker = {"key": key, "kind": kind, "arguments": _build_arguments(kind, kwargs)}
-        marker_text = json.dumps(marker, sort_keys=True, indent=2, default=repr) + "\n"
-        (staging / COMPLETE_MARKER).write_text(marker_text, encoding="utf-8")
-        if final.exists() and not is_complete(final):
-            shutil.rmtree(final)  # a folder without the marker is never a build in progress
-        try:
-            os.rename(staging, final)
-        except OSError:
-            if not is_complete(final):
-                raise
-            # Another process finished the same build first; keep its folder.
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    marker = {"key": key, "kind": kind, "arguments": _build_arguments(kind, kwargs)}
+    build_into_cache(final, marker, lambda staging: build_model(staging, kind, **kwargs))
     _log(f"model ready in {final} ({time.monotonic() - started:.1f} s)")
     return final
