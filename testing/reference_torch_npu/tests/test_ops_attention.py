@@ -217,7 +217,9 @@ def test_well_formed_call_succeeds(torch_npu):
 
 
 @pytest.mark.parametrize(("overrides", "error", "match"), [
-    ({"query_rope": torch.zeros(1)}, NotImplementedError, "query_rope is not modelled"),
+    ({"key_shared_prefix": torch.zeros(1)}, NotImplementedError,
+     "key_shared_prefix is not modelled"),
+    ({"query_rope": torch.zeros(1)}, ValueError, "must be given together"),
     ({"antiquant_scale": torch.zeros(1)}, NotImplementedError, "antiquant_scale"),
     ({"input_layout": "TND"}, NotImplementedError, "TND"),
     ({"input_layout": "BNSD"}, NotImplementedError, "'BNSD' is not modelled"),

@@ -17,6 +17,10 @@ Modelled forms:
   GQA through ``num_key_value_heads``; ``sparse_mode`` 0 without a mask (Q_S = 1, or
   no masking) or 3 (rightDownCausal) with the compressed 2048 x 2048 causal mask;
   optionally the softmax log-sum-exp.
+- the same op's MLA form (``query_rope`` and ``key_rope`` given): query D 512 with a rope
+  part of 64, one latent KV head read as both key and value from a paged
+  ``(num_blocks, block_size, 512)`` cache beside a ``(num_blocks, block_size, 64)`` rope
+  cache, 32/64/128 query heads, 1 to 16 query tokens per batch, ``"BSND"`` or ``"BSH"``.
 """
 
 from __future__ import annotations
@@ -141,8 +145,7 @@ _UNMODELLED_FIA_ARGUMENTS = (
     "quant_offset2", "antiquant_scale", "antiquant_offset", "query_padding_size",
     "kv_padding_size", "key_antiquant_scale", "key_antiquant_offset",
     "value_antiquant_scale", "value_antiquant_offset", "key_shared_prefix",
-    "value_shared_prefix", "actual_shared_prefix_len", "query_rope", "key_rope",
-    "key_rope_antiquant_scale",
+    "value_shared_prefix", "actual_shared_prefix_len", "key_rope_antiquant_scale",
 )
 
 
@@ -240,10 +243,15 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     - ``softmax_lse_flag``: the log-sum-exp of the scaled, masked scores, float32 ``(B, N,
       Q_S, 1)`` (0 on padding rows); when False a one-element zero tensor, as the page says.
 
-    Every quantization, rope, prefix, padding-size and pse argument raises
+    With ``query_rope`` and ``key_rope`` the op takes its MLA form, modelled by
+    ``_mla_page_attention`` (see there).
+
+    Every quantization, prefix, padding-size and pse argument raises
     ``NotImplementedError``; so do int8 keys and values.
     """
     given = locals()
+    if query_rope is not None or key_rope is not None:
+        return _mla_page_attention(given)
     for name in _UNMODELLED_FIA_ARGUMENTS:
         if given[name] is not None:
             raise NotImplementedError(
@@ -409,3 +417,195 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     attention_out = out.to(query.dtype).reshape(query.shape)
     softmax_lse = lse if softmax_lse_flag else torch.zeros(1, dtype=torch.float32)
     return attention_out, softmax_lse
+
+
+# --- npu_fused_infer_attention_score, MLA form ----------------------------------------------
+
+_MLA_HEAD_DIM = 512
+_MLA_ROPE_DIM = 64
+_MLA_NUM_HEADS = (32, 64, 128)
+_MLA_MAX_QUERY_TOKENS = 16
+_MLA_BLOCK_SIZES = (16, 128)
+
+
+def _mla_page_attention(given: dict):
+    """The MLA form of ``npu_fused_infer_attention_score``: ``query_rope`` and ``key_rope``
+    both given. Follows the page's "query_rope和key_rope输入时即为MLA场景" constraints for
+    query D 512 on Atlas A2/A3:
+
+    - ``query`` ``[B, Q_S, N, 512]`` (``"BSND"``) or ``[B, Q_S, N * 512]`` (``"BSH"``) with
+      N (``num_heads``) 32, 64 or 128 and Q_S 1 to 16; ``query_rope`` the same with D 64;
+    - ``key`` and ``value`` the paged latent cache ``(num_blocks, block_size, 512)`` of one
+      KV head (``num_key_value_heads=1``), ``key_rope`` ``(num_blocks, block_size, 64)``;
+      page attention is mandatory, ``block_size`` 16 or 128 (ND caches; NZ is not
+      modelled);
+    - Q_S = 1: ``sparse_mode`` 0 without a mask; Q_S > 1: ``sparse_mode`` 3 with the
+      compressed 2048 x 2048 causal mask (query row i of a batch with q query and k key
+      tokens sees keys j <= i + k - q);
+    - no softmax LSE, quantization, prefix, padding or pse arguments.
+
+    ``attention_out = softmax(scale * (query @ key^T + query_rope @ key_rope^T) + mask) @
+    value``, the shape of ``query``. The TND layouts and query D 128 (rope without page
+    attention) raise ``NotImplementedError``.
+    """
+    query, key, value = given["query"], given["key"], given["value"]
+    query_rope, key_rope = given["query_rope"], given["key_rope"]
+    if query_rope is None or key_rope is None:
+        raise ValueError("query_rope and key_rope must be given together (the MLA form); "
+                         f"got query_rope={'set' if query_rope is not None else None} and "
+                         f"key_rope={'set' if key_rope is not None else None}.")
+    for name in _UNMODELLED_FIA_ARGUMENTS:
+        if given[name] is not None:
+            raise NotImplementedError(
+                f"{name} with query_rope/key_rope is not modelled by the reference "
+                "npu_fused_infer_attention_score (the page rules out pse, prefix, padding "
+                "and quantization in the MLA form).")
+    for name in ("antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"):
+        if given[name] != 0:
+            raise NotImplementedError(f"{name}={given[name]!r} is not modelled (only 0).")
+    tensors = (("query", query), ("key", key), ("value", value), ("query_rope", query_rope),
+               ("key_rope", key_rope))
+    for name, tensor in tensors:
+        _require_tensor(name, tensor)
+        _require_contiguous(name, tensor)
+        if tensor.dtype not in _HALF_DTYPES:
+            raise TypeError(f"{name} has dtype {tensor.dtype}; the MLA form takes float16 "
+                            "or bfloat16.")
+    for name, tensor in tensors[1:]:
+        if tensor.dtype != query.dtype:
+            raise TypeError(f"{name} has dtype {tensor.dtype} but query has {query.dtype}; "
+                            "the page requires query_rope like query and key_rope like key, "
+                            "all of one dtype here.")
+
+    layout = given["input_layout"]
+    if layout in ("TND", "TND_NTD", "NTD_TND"):
+        raise NotImplementedError(f"input_layout={layout!r} in the MLA form is not modelled; "
+                                  "use 'BSND' or 'BSH'.")
+    if layout not in ("BSND", "BSH"):
+        raise NotImplementedError(f"input_layout={layout!r} is not modelled; the reference "
+                                  "models 'BSND' and 'BSH'.")
+    heads = _require_int("num_heads", given["num_heads"])
+    if heads not in _MLA_NUM_HEADS:
+        raise ValueError(f"num_heads={heads}; with query_rope the page takes query heads "
+                         f"{list(_MLA_NUM_HEADS)}.")
+    kv_heads = _require_int("num_key_value_heads", given["num_key_value_heads"])
+    if kv_heads != 1:
+        raise ValueError(f"num_key_value_heads={kv_heads}; with key_rope the page needs one "
+                         "latent KV head (num_key_value_heads=1).")
+    if query.dim() != query_rope.dim():
+        raise ValueError(f"query {tuple(query.shape)} and query_rope "
+                         f"{tuple(query_rope.shape)} must have the same layout.")
+    if layout == "BSND":
+        if query.dim() != 4 or query.shape[2] != heads:
+            raise ValueError(f"query has shape {tuple(query.shape)}; with input_layout='BSND' "
+                             f"it must be [B, Q_S, num_heads={heads}, D].")
+        head_dim, rope_dim = query.shape[3], query_rope.shape[3]
+        q_lead, rope_lead = query.shape[:3], query_rope.shape[:3]
+    else:
+        if query.dim() != 3 or query.shape[2] % heads or query_rope.shape[2] % heads:
+            raise ValueError(f"query {tuple(query.shape)} and query_rope "
+                             f"{tuple(query_rope.shape)}: with input_layout='BSH' both must "
+                             f"be [B, Q_S, H] with H a multiple of num_heads={heads}.")
+        head_dim, rope_dim = query.shape[2] // heads, query_rope.shape[2] // heads
+        q_lead, rope_lead = query.shape[:2], query_rope.shape[:2]
+    if head_dim == 128:
+        raise NotImplementedError("query D 128 with rope (the TND form without page "
+                                  "attention) is not modelled; the reference models D 512.")
+    if head_dim != _MLA_HEAD_DIM:
+        raise ValueError(f"query D={head_dim}; with query_rope the page takes D 512 (or 128).")
+    if rope_dim != _MLA_ROPE_DIM or rope_lead != q_lead:
+        raise ValueError(f"query_rope has shape {tuple(query_rope.shape)}; it must match "
+                         f"query {tuple(query.shape)} except for D, which is 64.")
+    batch, q_s = query.shape[0], query.shape[1]
+    if not 1 <= q_s <= _MLA_MAX_QUERY_TOKENS:
+        raise ValueError(f"Q_S={q_s}; with query_rope the page takes 1 to "
+                         f"{_MLA_MAX_QUERY_TOKENS} query tokens per batch.")
+
+    block_table = given["block_table"]
+    if block_table is None:
+        raise ValueError("the MLA form (query D 512 with rope) needs page attention: pass "
+                         "block_table and block_size.")
+    _require_tensor("block_table", block_table)
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 \
+            or block_table.shape[0] != batch:
+        raise ValueError(f"block_table has dtype {block_table.dtype} and shape "
+                         f"{tuple(block_table.shape)}; it must be int32 [B={batch}, "
+                         "max blocks per batch].")
+    block = _require_int("block_size", given["block_size"])
+    if block not in _MLA_BLOCK_SIZES:
+        raise ValueError(f"block_size={block}; the MLA form takes {list(_MLA_BLOCK_SIZES)}.")
+    for name, cache, width in (("key", key, _MLA_HEAD_DIM), ("value", value, _MLA_HEAD_DIM),
+                               ("key_rope", key_rope, _MLA_ROPE_DIM)):
+        if cache.dim() != 3 or cache.shape[1] != block or cache.shape[2] != width:
+            raise ValueError(f"{name} has shape {tuple(cache.shape)}; in the MLA form it must "
+                             f"be the ND cache (num_blocks, block_size={block}, {width}).")
+    if not key.shape[0] == value.shape[0] == key_rope.shape[0]:
+        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and key_rope "
+                         f"{tuple(key_rope.shape)} must hold the same number of blocks.")
+    num_blocks = key.shape[0]
+    if given["actual_seq_lengths_kv"] is None:
+        raise ValueError("page attention needs actual_seq_lengths_kv.")
+    kv_lengths = _per_batch_lengths("actual_seq_lengths_kv", given["actual_seq_lengths_kv"],
+                                    batch, None)
+    if given["actual_seq_lengths"] is None or q_s == 1:
+        q_lengths = [q_s] * batch
+    else:
+        q_lengths = _per_batch_lengths("actual_seq_lengths", given["actual_seq_lengths"],
+                                       batch, q_s)
+    blocks_per_batch = [-(-length // block) for length in kv_lengths]
+    if max(blocks_per_batch, default=0) > block_table.shape[1]:
+        raise ValueError(f"block_table has {block_table.shape[1]} columns but a batch needs "
+                         f"{max(blocks_per_batch)} blocks for actual_seq_lengths_kv "
+                         f"{kv_lengths} and block_size {block}.")
+    for b, count in enumerate(blocks_per_batch):
+        ids = block_table[b, :count]
+        if count and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+            raise ValueError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
+                             f"{num_blocks - 1}].")
+
+    mode = _require_int("sparse_mode", given["sparse_mode"])
+    atten_mask = given["atten_mask"]
+    if q_s == 1:
+        if mode != 0 or atten_mask is not None:
+            raise ValueError(f"sparse_mode={mode} with a mask={atten_mask is not None} at "
+                             "Q_S = 1; the MLA form takes sparse_mode=0 and no mask there.")
+    else:
+        if mode != 3 or atten_mask is None:
+            raise ValueError(f"sparse_mode={mode} at Q_S = {q_s}; the MLA form takes "
+                             "sparse_mode=3 with the compressed (2048, 2048) causal mask "
+                             "when Q_S > 1.")
+        _check_compressed_causal_mask(atten_mask)
+    inner = _require_int("inner_precise", given["inner_precise"])
+    if inner not in ((0, 1) if q_s == 1 else (0, 1, 2, 3)):
+        raise ValueError(f"inner_precise={inner} is outside what the page allows here.")
+    scale = given["scale"]
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}.")
+    if given["softmax_lse_flag"] is not False:
+        raise ValueError("softmax_lse_flag=True is ruled out by the page in the MLA form.")
+
+    q_all = query.reshape(batch, q_s, heads, _MLA_HEAD_DIM).float()
+    q_rope_all = query_rope.reshape(batch, q_s, heads, _MLA_ROPE_DIM).float()
+    out = torch.zeros(batch, q_s, heads, _MLA_HEAD_DIM, dtype=torch.float32)
+    for b in range(batch):
+        q_len, kv_len = q_lengths[b], kv_lengths[b]
+        if q_len == 0 or kv_len == 0:
+            continue  # the page: empty keys give zero output
+        row = block_table[b]
+        latent = _paged_sequence(key, row, kv_len, block, 1)[:, 0].float()     # [k, 512]
+        rope = _paged_sequence(key_rope, row, kv_len, block, 1)[:, 0].float()  # [k, 64]
+        values = _paged_sequence(value, row, kv_len, block, 1)[:, 0].float()   # [k, 512]
+        scores = (torch.einsum("qnd,kd->nqk", q_all[b, :q_len], latent)
+                  + torch.einsum("qnd,kd->nqk", q_rope_all[b, :q_len], rope)) * float(scale)
+        if q_s > 1:
+            rows = torch.arange(q_len).unsqueeze(1)
+            cols = torch.arange(kv_len).unsqueeze(0)
+            allowed = cols <= rows + (kv_len - q_len)
+            if not bool(allowed.any(dim=1).all()):
+                raise ValueError(f"batch {b}: actual_seq_lengths {q_len} exceeds "
+                                 f"actual_seq_lengths_kv {kv_len}, so rightDownCausal "
+                                 "leaves query rows with no key.")
+            scores = scores.masked_fill(~allowed, -math.inf)
+        probs = torch.softmax(scores, dim=-1)
+        out[b, :q_len] = torch.einsum("nqk,kd->qnd", probs, values)
+    return out.to(query.dtype).reshape(query.shape), torch.zeros(1, dtype=torch.float32)
