@@ -21,6 +21,7 @@
 #include <ATen/ops/view_native.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -163,12 +164,65 @@ c10::DataPtr allocate_on(c10::DeviceIndex index, size_t nbytes) {
   return {data, allocation, &free_allocation, c10::Device(kNpu, index)};
 }
 
-struct NpuAllocator final : c10::Allocator {
+// Cached, unallocated bytes go back to the device: reserved falls to allocated on every NPU.
+void release_cached_blocks() {
+  std::lock_guard<std::mutex> lock(stats_mutex);
+  for (auto& entry : stats) {
+    entry.second.reserved = entry.second.allocated;
+  }
+}
+
+// A DeviceAllocator, as torch_npu's caching allocator is, so that torch's device-generic
+// calls (torch.accelerator.empty_cache / memory_allocated / get_memory_info, ...) reach the
+// same accounting as torch.npu's functions.
+struct NpuAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
     return allocate_on(current_index, nbytes);
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
+  }
+  bool initialized() override {
+    return true;
+  }
+  void emptyCache(c10::MempoolId_t mempool_id) override {
+    TORCH_CHECK_VALUE(mempool_id == c10::MempoolId_t(0, 0),
+                      "The reference npu allocator has no private memory pools; empty_cache "
+                      "takes the default pool (0, 0), got (", mempool_id.first, ", ",
+                      mempool_id.second, ").");
+    release_cached_blocks();
+  }
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
+    // Every op completes when issued: no allocation outlives its last use on a stream.
+  }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    int index = checked_index(device);
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    const Stats& s = stats[index];
+    c10::CachingDeviceAllocator::DeviceStats out;
+    for (auto* stat : {&out.allocated_bytes, &out.active_bytes, &out.requested_bytes}) {
+      (*stat)[0].current = s.allocated;
+      (*stat)[0].peak = s.peak_allocated;
+    }
+    out.reserved_bytes[0].current = s.reserved;
+    out.reserved_bytes[0].peak = s.peak_reserved;
+    return out;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    checked_index(device);  // nothing accumulated beyond the current and peak numbers
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    int index = checked_index(device);
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    Stats& s = stats[index];
+    s.peak_allocated = s.allocated;
+    s.peak_reserved = s.reserved;
+  }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    int index = checked_index(device);
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    int64_t total = total_memory();
+    return {static_cast<size_t>(total - stats[index].reserved), static_cast<size_t>(total)};
   }
 };
 
@@ -731,10 +785,7 @@ void reset_peaks(int64_t device, bool reserved_too) {
 }
 
 void empty_cache() {
-  std::lock_guard<std::mutex> lock(stats_mutex);
-  for (auto& entry : stats) {
-    entry.second.reserved = entry.second.allocated;
-  }
+  release_cached_blocks();
 }
 
 void reset_accounting() {

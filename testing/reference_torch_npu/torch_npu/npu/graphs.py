@@ -28,7 +28,9 @@ How the reference models a graph (it has no device queue to capture):
   ``non_blocking`` copies from or to pinned host memory are captured). Capture must run on
   a stream other than the default stream (``torch.npu.graph`` picks a side stream).
 
-The captured tensors stay alive with the graph until ``reset()``, so their memory stays
+A captured graph refers to device addresses, as a real one does: ``replay()`` raises when the
+memory of a tensor it captured was released or moved since (storage resized), instead of
+running on freed memory. The captured tensors stay alive with the graph until ``reset()``, so their memory stays
 allocated, as a graph's private pool does; ``pool`` arguments are accepted and only name
 the pool (``graph_pool_handle()``).
 """
@@ -161,7 +163,17 @@ class _Recorder(TorchDispatchMode):
         if not _touches_npu((args, kwargs)):
             return func(*args, **kwargs)  # host work: runs once, not in the graph
         _check_capturable(func, args, kwargs)
-        result = func(*args, **kwargs)
+        if isinstance(func, torch._ops.OpOverload) and func.namespace != "aten":
+            # A custom op (e.g. a torch.library op around torch_npu calls) is one step,
+            # as a kernel launch: the torch_npu functions it calls are not steps of their
+            # own (the aten ops inside it are not seen by this mode either).
+            graph, _capture.graph = _capture.graph, None
+            try:
+                result = func(*args, **kwargs)
+            finally:
+                _capture.graph = graph
+        else:
+            result = func(*args, **kwargs)
         if not func.is_view or not _aliases_an_input(result, (args, kwargs)):
             # Ops marked as views that copied this time (under inference mode the mode sees
             # aten.reshape / aten.to themselves, which copy when they cannot alias) are
@@ -188,6 +200,7 @@ class NPUGraph:
         self._recorder: _Recorder | None = None
         self._captured = False
         self._pool = None
+        self._addresses: list[tuple[torch.Tensor, int]] = []
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
         """Start recording the work issued on this thread to the NPU."""
@@ -213,6 +226,7 @@ class NPUGraph:
             raise RuntimeError("capture_end() without a matching capture_begin().")
         self._stop()
         self._captured = True
+        self._addresses = _device_addresses(self._steps)
 
     def _stop(self) -> None:
         _capture.graph = None
@@ -237,6 +251,7 @@ class NPUGraph:
                                "capture_end, or torch.npu.graph).")
         if _capture.graph is not None:
             raise RuntimeError("Cannot replay an NPU graph while capturing another.")
+        _check_addresses(self._addresses)
         with torch.inference_mode():
             for step in self._steps:
                 step.run()
@@ -245,6 +260,7 @@ class NPUGraph:
         """Drop the capture and the tensors it kept alive."""
         self._abort()
         self._captured = False
+        self._addresses = []
 
     def pool(self):
         """The memory pool id of this graph, to share with later captures."""
@@ -258,6 +274,28 @@ class NPUGraph:
     def step_names(self) -> list[str]:
         """Reference only: the recorded steps, in order (aten ops and torch_npu functions)."""
         return [step.name for step in self._steps]
+
+
+def _device_addresses(steps: list[_Step]) -> list[tuple[torch.Tensor, int]]:
+    """Each npu tensor the steps use, with the device address its memory had at capture."""
+    seen: dict[int, tuple[torch.Tensor, int]] = {}
+    for step in steps:
+        for leaf in pytree.tree_leaves((step.args, step.kwargs, step.result)):
+            if _is_npu(leaf) and isinstance(leaf, torch.Tensor) and id(leaf) not in seen:
+                seen[id(leaf)] = (leaf, leaf.untyped_storage().data_ptr())
+    return list(seen.values())
+
+
+def _check_addresses(addresses: list[tuple[torch.Tensor, int]]) -> None:
+    """A graph holds device addresses: memory released or moved since capture breaks it."""
+    for tensor, address in addresses:
+        now = tensor.untyped_storage().data_ptr()
+        if now != address:
+            raise RuntimeError(
+                f"This NPU graph was captured over device memory at {address:#x} that is now "
+                f"at {now:#x} (a {tuple(tensor.shape)} {tensor.dtype} tensor whose storage was "
+                "released or reallocated since capture, e.g. by sleep mode); replaying it "
+                "would use freed memory. Capture the graph again.")
 
 
 def graph_pool_handle():
