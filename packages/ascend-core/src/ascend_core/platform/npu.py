@@ -106,6 +106,11 @@ class AscendPlatform(AscendPlatformMixin, Platform):
     def get_device_total_memory(cls, device_id: int = 0) -> int:
         return torch.npu.get_device_properties(device_id).total_memory
 
+    def is_sleep_mode_available(self) -> bool:
+        # The npu worker releases and restores the weights and the KV cache itself
+        # (ascend_core.worker.npu_sleep), without CUDA's cumem pool.
+        return True
+
     @classmethod
     def inference_mode(cls):
         return torch.inference_mode(mode=True)

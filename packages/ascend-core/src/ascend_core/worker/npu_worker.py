@@ -12,8 +12,14 @@ drop in free memory from the start-up snapshot to the end of a profiling run (we
 memory held outside torch) plus the profiling run's transient peak
 (``max_memory_allocated`` over what stays allocated) are taken from the requested memory.
 
-Not done yet: sleep mode (it needs an NPU memory pool that can release and restore
-allocations) and data parallelism within a node.
+Sleep mode (``enable_sleep_mode``): vLLM's ``Worker.sleep`` / ``wake_up`` / ``discard`` run
+unchanged over ``NPUSleepModeBackend``, whose pool (``ascend_core.worker.npu_sleep``) tags
+the storages allocated while vLLM loads the weights and allocates the KV cache, releases
+their NPU memory at sleep (weights to pinned host memory at level 1) and restores it at
+wake-up. Restored memory sits at other device addresses, so captured NPU graphs are dropped
+at sleep and captured again once every tag is awake.
+
+Not done yet: data parallelism within a node.
 """
 
 from __future__ import annotations
@@ -28,13 +34,16 @@ from dataclasses import dataclass
 
 import torch
 import vllm.v1.worker.gpu_worker as gpu_worker_module
+from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.config import set_current_vllm_config
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
 from ascend_core.config import init_ascend_config
 from ascend_core.platform.npu import AscendPlatform
 from ascend_core.worker.npu_model_runner import NPUModelRunner, npu_device_names
+from ascend_core.worker.npu_sleep import SLEEP_TAGS, NPUSleepPool
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +128,49 @@ def check_npus_for_layout(parallel_config, local_rank: int) -> int:
     return visible
 
 
+class NPUSleepModeBackend(SleepModeBackend):
+    """vLLM's sleep-mode backend interface over the npu worker's ``NPUSleepPool``."""
+
+    def __init__(self, pool: NPUSleepPool) -> None:
+        super().__init__()
+        self.pool = pool
+
+    def suspend(self, level: int = 1) -> None:
+        self.pool.sleep(level)
+        self._state = "SUSPENDED"
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        self._state = "RESUMING"
+        self.pool.wake_up(tags)
+        self._state = "SUSPENDED" if self.pool.asleep_tags else "RUNNING"
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        self.pool.discard(tags)
+        self._state = "SUSPENDED"
+
+    @classmethod
+    def preserves_communicators(cls) -> bool:
+        return True  # HCCL's buffers are not in the pool
+
+
+# Names of model_config.sleep_mode_backend the npu worker serves with NPUSleepModeBackend:
+# vLLM's default ("cumem", which means "the platform's allocator pool") and our own.
+NPU_SLEEP_BACKEND_NAMES = ("cumem", "npu")
+
+
+def captured_graph_count() -> int:
+    """NPU graphs vLLM's graph wrappers hold in this process."""
+    return sum(entry.cudagraph is not None
+               for wrapper in list(CUDAGraphWrapper._all_instances)
+               for entry in wrapper.concrete_cudagraph_entries.values())
+
+
 class NPUWorker(Worker):
     def __init__(self, vllm_config, *args, **kwargs):
         # Workers run in their own processes: parse additional_config here too.
         init_ascend_config(vllm_config.additional_config, target="npu")
+        self.sleep_pool = NPUSleepPool()
+        self._recapture_graphs_on_wake = False
         super().__init__(vllm_config, *args, **kwargs)
         if self.use_v2_model_runner:
             raise ValueError(
@@ -191,8 +239,11 @@ class NPUWorker(Worker):
         return NPUModelRunner(self.vllm_config, self.device)
 
     def _maybe_get_memory_pool_context(self, tag: str) -> contextlib.AbstractContextManager:
-        # vLLM's sleep-mode pools are CUDA (cumem) or XPU allocators; the npu target
-        # allocates through the NPU caching allocator directly.
+        # With sleep mode, the weights and the KV cache are tagged in the sleep pool; other
+        # contexts (workspace, runtime) stay resident. Allocation itself is always the NPU
+        # caching allocator's.
+        if self.model_config.enable_sleep_mode and tag in SLEEP_TAGS:
+            return self.sleep_pool.allocating(tag)
         return contextlib.nullcontext()
 
     def load_model(self, *args, **kwargs) -> None:
@@ -251,14 +302,69 @@ class NPUWorker(Worker):
         with npu_device_names():
             super().initialize_from_config(kv_cache_config)
 
+    # --- sleep mode ------------------------------------------------------------------------
+
+    @property
+    def sleep_mode_backend(self) -> NPUSleepModeBackend:
+        if self._sleep_mode_backend is None:
+            name = self.model_config.sleep_mode_backend
+            if name not in NPU_SLEEP_BACKEND_NAMES:
+                raise ValueError(
+                    f"sleep_mode_backend={name!r} is not available on the npu target; it "
+                    f"offers {list(NPU_SLEEP_BACKEND_NAMES)} (both the npu worker's pool).")
+            self._sleep_mode_backend = NPUSleepModeBackend(self.sleep_pool)
+        return self._sleep_mode_backend
+
+    def _check_sleep_mode(self) -> None:
+        if not self.model_config.enable_sleep_mode:
+            raise RuntimeError(
+                "Sleep mode is off for this engine: nothing was tagged when the weights and "
+                "the KV cache were allocated. Start it with enable_sleep_mode=True.")
+
     def sleep(self, level: int = 1) -> None:
-        raise NotImplementedError(
-            "Sleep mode is not available on the npu target yet: it needs an NPU memory pool "
-            "that releases and restores the weights and KV cache. Run without "
-            "enable_sleep_mode."
-        )
+        """Release the weights' and the KV cache's NPU memory (vLLM's ``Worker.sleep``)."""
+        self._check_sleep_mode()
+        self.sleep_pool.check_can_sleep(level)  # before vLLM saves buffers or graphs go
+        self._drop_graphs()
+        with npu_device_names():
+            super().sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        raise NotImplementedError(
-            "Sleep mode is not available on the npu target yet (see NPUWorker.sleep)."
-        )
+        """Restore ``tags`` (vLLM's ``Worker.wake_up``); graphs are captured again once all
+        tags are awake."""
+        self._check_sleep_mode()
+        with npu_device_names():
+            super().wake_up(tags)
+        if self._recapture_graphs_on_wake and not self.sleep_pool.asleep_tags:
+            self._recapture_graphs_on_wake = False
+            self.model_runner.capture_model()
+            logger.info("npu wake-up: captured %d NPU graphs again.", captured_graph_count())
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        self._check_sleep_mode()
+        self._drop_graphs()
+        with npu_device_names():
+            super().discard(tags)
+
+    def _drop_graphs(self) -> None:
+        """Captured graphs hold the device addresses of memory about to be released: drop
+        them (their pool goes with them) and capture them again at wake-up."""
+        if captured_graph_count():
+            CUDAGraphWrapper.clear_all_graphs()
+            self._recapture_graphs_on_wake = True
+
+    def npu_memory_report(self) -> dict[str, int]:
+        """This worker's NPU memory and sleep-pool numbers, in bytes (for collective_rpc)."""
+        free, total = torch.npu.mem_get_info(self.device)
+        report = {
+            "memory_allocated": torch.npu.memory_allocated(self.device),
+            "memory_reserved": torch.npu.memory_reserved(self.device),
+            "free_memory": free,
+            "total_memory": total,
+            "host_copy_bytes": self.sleep_pool.host_bytes,
+            "captured_graphs": captured_graph_count(),
+        }
+        for tag in SLEEP_TAGS:
+            report[f"{tag}_resident_bytes"] = self.sleep_pool.resident_bytes(tag)
+            report[f"{tag}_asleep_bytes"] = self.sleep_pool.asleep_bytes(tag)
+        return report
