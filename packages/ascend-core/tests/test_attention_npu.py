@@ -266,7 +266,9 @@ def test_npu_platform_selects_the_backend(torch_npu):
     ({"kv_cache_dtype": "fp8"}, ValueError, "kv_cache_dtype not supported"),
     ({"has_sliding_window": True}, ValueError, "sliding window not supported"),
     ({"attn_type": "encoder_only"}, ValueError, "attention type encoder_only"),
-    ({"use_mla": True}, NotImplementedError, "no MLA attention backend"),
+    # MLA models go to the Ascend MLA backend (test_attention_npu_mla), which takes only
+    # the 512 + 64 latent cache.
+    ({"use_mla": True}, ValueError, "Ascend MLA backend cannot run"),
 ])
 def test_npu_platform_refuses_what_the_backend_cannot_run(torch_npu, changes, error, match):
     npu = importlib.import_module("ascend_core.platform.npu")

@@ -160,6 +160,14 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         return NPU_COMMUNICATOR
 
     @classmethod
+    def get_mla_prefill_backend_cls(cls, mla_selector_config):
+        """MLA prefills run in the Ascend MLA backend's latent path; vLLM's selector still
+        asks for a prefill backend, which refuses if it is ever called."""
+        from ascend_core.attention.npu_mla import NPUMLAPrefillBackend
+
+        return NPUMLAPrefillBackend
+
+    @classmethod
     def get_attn_backend_cls(
         cls,
         selected_backend: AttentionBackendEnum,
@@ -171,10 +179,11 @@ class AscendPlatform(AscendPlatformMixin, Platform):
 
         config = attn_selector_config
         if config.use_mla:
-            raise NotImplementedError(
-                "The npu target has no MLA attention backend yet (DeepSeek-style models); "
-                "serve them with VLLM_ASCEND_TARGET=host."
-            )
+            from ascend_core.attention import ASCEND_MLA_BACKEND
+            from ascend_core.attention.npu_mla import select_mla_backend
+
+            register_attention_backends()
+            return select_mla_backend(selected_backend, config, ASCEND_MLA_BACKEND)
         ours = AscendAttentionBackend.get_name()
         if selected_backend is not None and selected_backend.name != ours:
             logger.info("npu target: attention backend %s is not available; using %s.",

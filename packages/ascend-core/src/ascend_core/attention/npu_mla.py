@@ -1,0 +1,463 @@
+"""MLA attention (DeepSeek-V2/V3 style) for the npu target through torch_npu's documented ops.
+
+Built on vLLM's MLA scaffolding (``MLACommonBackend``, ``MLACommonMetadataBuilder``,
+``MLACommonImpl``): vLLM's ``MLAAttention`` layer writes the latent cache through
+``do_kv_cache_update``, absorbs ``W_UK`` into the query, calls ``forward_mqa`` and applies
+``W_UV`` to its result. What this module adds:
+
+- the latent-cache write, ``torch_npu.npu_scatter_pa_kv_cache`` in its ND ("Norm") mode with
+  the normalised latent ``kv_c`` (512) as key and the rotated ``k_pe`` (64) as value, each
+  one KV head, scattered by vLLM's slot mapping;
+- attention, ``torch_npu.npu_fused_infer_attention_score`` in its MLA form: ``query`` the
+  absorbed latent query (D 512), ``query_rope`` its rope part (64), ``key`` and ``value``
+  both the paged latent cache, ``key_rope`` the paged rope cache, ``num_key_value_heads=1``,
+  page attention through vLLM's block table.
+
+One path for every batch. torch_npu's page takes 1 to 16 query tokens per batch row in the
+MLA form, so the metadata builder cuts each request's new tokens into pieces of at most 16
+and gives every piece its own row of the ``BSND`` query: the request's block-table row, its
+query length and its key length (cached tokens plus the piece's end), with ``sparse_mode=3``
+(right-down causal, the compressed 2048 x 2048 mask) whenever a row holds more than one
+token. Decode (one token a request), speculative verification (1 + k tokens), chunked
+prefill on cached context, prefix-cache hits and whole prompts are all such rows, in any mix:
+the builder declares variable-length query support with an unbounded decode threshold, so
+vLLM's common code hands every token to ``forward_mqa`` and never to its dense-MHA prefill
+(which needs a prefill kernel this target does not have; ``NPUMLAPrefillBackend`` refuses
+with a clear error if it is ever reached). Prompts therefore attend in the absorbed (latent)
+form: more arithmetic per token than the up-projected MHA form, the same result.
+
+The page also limits the MLA form to 32, 64 or 128 query heads: with fewer (tensor
+parallelism, small models) the query is padded with zero heads up to the next allowed count
+and their rows are dropped; with more than 128 the backend refuses. The latent rank must be
+512 and the rope dimension 64 (DeepSeek-V2/V3's shapes); other MLA shapes are refused.
+
+KV cache: vLLM allocates each layer's pages as ``[num_blocks, block_size, 576]``; this
+backend stores them as two planes of the same memory, first ``[num_blocks, block_size,
+512]`` latent rows, then ``[num_blocks, block_size, 64]`` rope rows, because the fused op
+takes the latent and rope caches as separate contiguous tensors. Only this backend reads or
+writes these pages.
+
+torch_npu is imported inside the functions that run on the device, so this module imports
+(and its metadata builds) without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonDecodeMetadata,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
+from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
+
+from ascend_core.attention import ASCEND_MLA_NAME
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+SUPPORTED_HEAD_SIZE = KV_LORA_RANK + ROPE_DIM
+# Query heads the MLA form takes; fewer are padded up to the next of these.
+PADDED_HEAD_COUNTS = (32, 64, 128)
+MAX_TOKENS_PER_ROW = 16
+SUPPORTED_BLOCK_SIZES = (16, 128)
+COMPRESSED_MASK_SIDE = 2048
+SPARSE_MODE_NO_MASK = 0
+SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
+# Every request is a "decode" for vLLM's common code: no request is ever long enough to
+# reach the dense-MHA prefill path.
+UNBOUNDED_DECODE_THRESHOLD = 1 << 30
+
+
+def padded_head_count(num_heads: int) -> int:
+    """The MLA form's head count for a layer of ``num_heads`` query heads."""
+    for count in PADDED_HEAD_COUNTS:
+        if num_heads <= count:
+            return count
+    raise ValueError(
+        f"The Ascend MLA backend runs torch_npu's MLA attention, which takes at most "
+        f"{PADDED_HEAD_COUNTS[-1]} query heads per device; this layer has {num_heads}. "
+        "Raise tensor_parallel_size so that each device holds at most "
+        f"{PADDED_HEAD_COUNTS[-1]} heads."
+    )
+
+
+def check_mla_shape(kv_lora_rank: int, qk_rope_head_dim: int) -> None:
+    if (kv_lora_rank, qk_rope_head_dim) != (KV_LORA_RANK, ROPE_DIM):
+        raise ValueError(
+            f"The Ascend MLA backend takes kv_lora_rank={KV_LORA_RANK} and "
+            f"qk_rope_head_dim={ROPE_DIM} (DeepSeek-V2/V3's MLA shape, the only one "
+            "torch_npu's paged MLA attention takes), but this model has "
+            f"kv_lora_rank={kv_lora_rank} and qk_rope_head_dim={qk_rope_head_dim}."
+        )
+
+
+class AscendMLABackend(MLACommonBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return ASCEND_MLA_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[AscendMLAImpl]:
+        return AscendMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AscendMLAMetadataBuilder]:
+        return AscendMLAMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [SUPPORTED_HEAD_SIZE]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
+        return list(SUPPORTED_BLOCK_SIZES)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class AscendMLADecodeMetadata(MLACommonDecodeMetadata):
+    """The fused op's arguments for one batch: one ``BSND`` row per piece of at most 16
+    query tokens of a request."""
+
+    num_tokens: int
+    rows: int  # B of the BSND query
+    row_len: int  # Q_S of the BSND query
+    row_query_lens: list[int]  # actual_seq_lengths
+    row_kv_lens: list[int]  # actual_seq_lengths_kv
+    row_block_table: torch.Tensor  # [rows, max blocks] int32
+    # [num_tokens] position of each token in the flattened [rows * row_len] query; None
+    # when the rows are exactly the tokens in order (a plain view).
+    token_rows: torch.Tensor | None
+    attn_mask: torch.Tensor | None
+    sparse_mode: int
+
+
+def plan_rows(query_lens: list[int], seq_lens: list[int],
+              max_tokens: int = MAX_TOKENS_PER_ROW):
+    """Cut each request's query into rows of at most ``max_tokens``.
+
+    Returns ``(row_request, row_query_lens, row_kv_lens, row_len, token_rows)``:
+    the request of each row, its query tokens, its keys (the request's cached tokens plus
+    everything up to the row's last token), the row width, and for every token (in request
+    order) its flat position in a ``[rows, row_len]`` query.
+    """
+    row_request, row_q, row_kv = [], [], []
+    for req, (q_len, kv_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        if q_len > kv_len:
+            raise ValueError(
+                f"request {req} has {q_len} query tokens but a sequence length of {kv_len}; "
+                "the sequence length counts cached plus new tokens, so it must be at least "
+                "the query length."
+            )
+        context = kv_len - q_len
+        for start in range(0, q_len, max_tokens):
+            length = min(max_tokens, q_len - start)
+            row_request.append(req)
+            row_q.append(length)
+            row_kv.append(context + start + length)
+    row_len = max(row_q, default=0)
+    token_rows = [row * row_len + offset for row, length in enumerate(row_q)
+                  for offset in range(length)]
+    return row_request, row_q, row_kv, row_len, token_rows
+
+
+class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
+    """vLLM's MLA metadata with every request on the decode (latent) side; graphs: none
+    (the fused op takes host sequence lengths, which a captured graph would freeze)."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
+    reorder_batch_threshold: int = UNBOUNDED_DECODE_THRESHOLD
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        if kv_cache_spec.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(
+                f"The Ascend MLA backend reads paged latent caches of block size "
+                f"{list(SUPPORTED_BLOCK_SIZES)}, got {kv_cache_spec.block_size}; pass "
+                "--block-size 128."
+            )
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        check_mla_shape(self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim)
+        self._causal_mask: torch.Tensor | None = None
+
+    def _compressed_causal_mask(self) -> torch.Tensor:
+        if self._causal_mask is None:
+            side = COMPRESSED_MASK_SIDE
+            ones = torch.ones(side, side, dtype=torch.int8, device=self.device)
+            self._causal_mask = torch.triu(ones, diagonal=1)
+        return self._causal_mask
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        meta = common_attn_metadata
+        if meta.causal is not True:
+            raise NotImplementedError(
+                "The Ascend MLA backend computes causal decoder attention only; got "
+                f"causal={meta.causal!r}."
+            )
+        built = super().build(common_prefix_len, meta, fast_build)
+        if built.num_prefills:
+            raise RuntimeError(
+                f"vLLM's MLA metadata split {built.num_prefills} request(s) off as "
+                "prefills; the Ascend MLA backend runs every request through its latent "
+                "path and has no dense prefill (reorder_batch_threshold was "
+                f"{self.reorder_batch_threshold})."
+            )
+        return built
+
+    def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len,
+                      query_start_loc_cpu, query_start_loc_device, num_decode_tokens,
+                      max_query_len, dcp_tot_seq_lens_device):
+        if dcp_tot_seq_lens_device is not None:
+            raise NotImplementedError(
+                "Decode context parallelism is not supported by the Ascend MLA backend."
+            )
+        starts = query_start_loc_cpu.tolist()
+        query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
+        # The op takes host lists (SymInt[]).
+        seq_lens = seq_lens_device.to("cpu").tolist()
+        row_request, row_q, row_kv, row_len, token_rows = plan_rows(query_lens, seq_lens)
+        plain = len(row_q) * row_len == len(token_rows)  # every row full: rows are tokens
+        request_index = torch.tensor(row_request, dtype=torch.long)
+        incremental = row_len <= 1
+        return AscendMLADecodeMetadata(
+            block_table=block_table_tensor,
+            seq_lens=seq_lens_device,
+            dcp_tot_seq_lens=None,
+            num_tokens=starts[-1],
+            rows=len(row_q),
+            row_len=row_len,
+            row_query_lens=row_q,
+            row_kv_lens=row_kv,
+            row_block_table=block_table_tensor[request_index.to(block_table_tensor.device)]
+            .to(torch.int32).contiguous(),
+            token_rows=None if plain else torch.tensor(token_rows, dtype=torch.long)
+            .to(self.device),
+            attn_mask=None if incremental else self._compressed_causal_mask(),
+            sparse_mode=SPARSE_MODE_NO_MASK if incremental else SPARSE_MODE_RIGHT_DOWN_CAUSAL,
+        )
+
+
+class NPUMLAPrefillBackend(MLAPrefillBackend):
+    """The npu platform's MLA prefill backend for vLLM's selector. The Ascend MLA backend
+    routes every token through its latent path, so vLLM never calls these; if it did (a
+    backend that splits prefills off), they refuse instead of computing something else."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "ASCEND_MLA_LATENT_PREFILL"
+
+    def run_prefill_new_tokens(self, q, k, v, return_softmax_lse, out=None,
+                               output_scale=None):
+        raise NotImplementedError(
+            "The npu target has no dense MLA prefill kernel: prefills run in the Ascend MLA "
+            f"backend's latent path ({ASCEND_MLA_NAME}); select that attention backend."
+        )
+
+    def run_prefill_context_chunk(self, chunk, q, k, v, out=None):
+        raise NotImplementedError(
+            "The npu target has no dense MLA prefill kernel: prefills run in the Ascend MLA "
+            f"backend's latent path ({ASCEND_MLA_NAME}); select that attention backend."
+        )
+
+
+class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
+    can_return_lse_for_decode: bool = False
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                 sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                 kv_sharing_target_layer_name, **mla_args) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap or None,
+        }
+        for name, given in unsupported.items():
+            if given is not None:
+                raise NotImplementedError(
+                    f"The Ascend MLA backend does not implement {name} (got {given!r})."
+                )
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(
+                f"The Ascend MLA backend computes decoder attention only, got "
+                f"attn_type={attn_type!r}."
+            )
+        if kv_cache_dtype not in AscendMLABackend.supported_kv_cache_dtypes:
+            raise NotImplementedError(
+                f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the Ascend MLA "
+                "backend; use 'auto' (the model's float16/bfloat16)."
+            )
+        if mla_args.get("indexer") is not None:
+            raise NotImplementedError(
+                "Sparse MLA (an indexer, DeepSeek-V3.2) is not supported by the Ascend MLA "
+                "backend."
+            )
+        check_mla_shape(mla_args["kv_lora_rank"], mla_args["qk_rope_head_dim"])
+        self.padded_heads = padded_head_count(num_heads)
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                         sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                         kv_sharing_target_layer_name, **mla_args)
+        if self.dcp_world_size > 1:
+            raise NotImplementedError(
+                "Decode context parallelism is not supported by the Ascend MLA backend."
+            )
+        # No fp8 query: the fused op's MLA form takes float16/bfloat16.
+        self.supports_quant_query_input = False
+        self._use_flashinfer_concat_mla_k = False
+
+    def split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's pages as the latent plane ``(num_blocks, block_size, 512)`` and the
+        rope plane ``(num_blocks, block_size, 64)``, both contiguous, over the same memory."""
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        if kv_cache.dim() != 3 or kv_cache.shape[2] != width or not kv_cache.is_contiguous():
+            raise ValueError(
+                f"KV cache of shape {tuple(kv_cache.shape)} (contiguous: "
+                f"{kv_cache.is_contiguous()}); the Ascend MLA backend expects vLLM's "
+                f"contiguous [num_blocks, block_size, {width}] MLA pages."
+            )
+        num_blocks, block_size, _ = kv_cache.shape
+        flat = kv_cache.view(-1)
+        latent_size = num_blocks * block_size * self.kv_lora_rank
+        latent = flat[:latent_size].view(num_blocks, block_size, self.kv_lora_rank)
+        rope = flat[latent_size:].view(num_blocks, block_size, self.qk_rope_head_dim)
+        return latent, rope
+
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+                           k_scale) -> None:
+        import torch_npu
+
+        if kv_cache.numel() == 0:
+            return
+        latent_cache, rope_cache = self.split_cache(kv_cache)
+        num_blocks, block_size, _ = latent_cache.shape
+        tokens = slot_mapping.shape[0]
+        latent = kv_c_normed[:tokens].reshape(tokens, 1, self.kv_lora_rank)
+        rope = k_pe[:tokens].reshape(tokens, 1, self.qk_rope_head_dim)
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):  # padding tokens (slot -1) write nothing
+            latent, rope, slot_mapping = latent[valid], rope[valid], slot_mapping[valid]
+        torch_npu.npu_scatter_pa_kv_cache(
+            latent.to(latent_cache.dtype).contiguous(),
+            rope.to(rope_cache.dtype).contiguous(),
+            latent_cache.view(num_blocks, block_size, 1, self.kv_lora_rank),
+            rope_cache.view(num_blocks, block_size, 1, self.qk_rope_head_dim),
+            slot_mapping,
+            cache_mode="Norm",
+        )
+
+    def forward_mha(self, *args, **kwargs):
+        raise NotImplementedError(
+            "The Ascend MLA backend runs every token through its latent path; vLLM handed "
+            "it a dense-MHA prefill, which it does not implement."
+        )
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor,
+                    attn_metadata: MLACommonMetadata,
+                    layer: AttentionLayer) -> tuple[torch.Tensor, None]:
+        """``q``: ``(q_latent [T, N, 512], q_rope [T, N, 64])`` or their concatenation;
+        returns ``([T, N, 512], None)``, the attention over latent rows that vLLM then
+        up-projects with ``W_UV``."""
+        import torch_npu
+
+        meta = attn_metadata.decode
+        if not isinstance(meta, AscendMLADecodeMetadata):
+            raise TypeError(
+                f"The Ascend MLA backend needs its own metadata, got {type(meta).__name__}."
+            )
+        if isinstance(q, tuple):
+            q_latent, q_rope = q
+        else:
+            q_latent, q_rope = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        tokens, heads = q_latent.shape[0], q_latent.shape[1]
+        if tokens != meta.num_tokens:
+            raise ValueError(f"forward_mqa got {tokens} query tokens, the metadata "
+                             f"{meta.num_tokens}.")
+        latent_cache, rope_cache = self.split_cache(kv_c_and_k_pe_cache)
+        rows, row_len, padded = meta.rows, meta.row_len, self.padded_heads
+
+        def bsnd(part: torch.Tensor) -> torch.Tensor:
+            width = part.shape[-1]
+            full = part.new_zeros(rows * row_len, padded, width)
+            if meta.token_rows is None:
+                full[:, :heads] = part
+            else:
+                full[meta.token_rows, :heads] = part
+            return full.view(rows, row_len, padded, width)
+
+        out, _ = torch_npu.npu_fused_infer_attention_score(
+            bsnd(q_latent),
+            latent_cache,
+            latent_cache,
+            query_rope=bsnd(q_rope),
+            key_rope=rope_cache,
+            atten_mask=meta.attn_mask,
+            actual_seq_lengths=meta.row_query_lens,
+            actual_seq_lengths_kv=meta.row_kv_lens,
+            block_table=meta.row_block_table,
+            block_size=latent_cache.shape[1],
+            num_heads=padded,
+            num_key_value_heads=1,
+            scale=self.scale,
+            input_layout="BSND",
+            sparse_mode=meta.sparse_mode,
+        )
+        flat = out.view(rows * row_len, padded, self.kv_lora_rank)
+        if meta.token_rows is not None:
+            flat = flat[meta.token_rows]
+        return flat[:, :heads].contiguous(), None
+
+
+def select_mla_backend(selected_backend, config, path: str) -> str:
+    """The npu platform's answer for an MLA model: this backend, or a clear error saying
+    why it cannot run the model's attention (``config``: vLLM's selector config)."""
+    ours = AscendMLABackend.get_name()
+    if selected_backend is not None and selected_backend.name != ours:
+        raise ValueError(
+            f"Attention backend {selected_backend.name} was requested for an MLA model on "
+            f"the npu target, which has only {ours}; leave the attention backend unset."
+        )
+    if config.use_sparse:
+        raise NotImplementedError(
+            "Sparse MLA (DeepSeek-V3.2's indexer) is not supported by the Ascend MLA backend."
+        )
+    reasons = AscendMLABackend.validate_configuration(
+        head_size=config.head_size,
+        dtype=config.dtype,
+        kv_cache_dtype=config.kv_cache_dtype,
+        block_size=config.block_size,
+        use_mla=True,
+        has_sink=config.has_sink,
+        use_sparse=config.use_sparse,
+        use_mm_prefix=config.use_mm_prefix,
+        use_per_head_quant_scales=config.use_per_head_quant_scales,
+        device_capability=None,
+        attn_type=config.attn_type,
+        has_sliding_window=config.has_sliding_window,
+        use_non_causal=config.use_non_causal,
+        use_batch_invariant=config.use_batch_invariant,
+        use_kv_connector=config.use_kv_connector,
+        use_pcp=config.use_pcp,
+        use_adaptive_verification=config.use_adaptive_verification,
+        use_dcp=config.use_dcp,
+        use_rswa=config.use_rswa,
+    )
+    if reasons:
+        raise ValueError(
+            f"The Ascend MLA backend cannot run this model's attention ({config}): "
+            f"{'; '.join(reasons)}. It takes float16/bfloat16 MLA with a latent cache of "
+            f"{KV_LORA_RANK} + {ROPE_DIM} (head size {SUPPORTED_HEAD_SIZE}) and block sizes "
+            f"{list(SUPPORTED_BLOCK_SIZES)}."
+        )
+    return path
