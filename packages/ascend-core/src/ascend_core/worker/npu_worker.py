@@ -346,6 +346,11 @@ class NPUWorker(Worker):
         with npu_device_names():
             super().discard(tags)
 
+    def reload_weights(self, *args, **kwargs) -> None:
+        # After a level-2 sleep: the weights' storages are back (zeroed) and load in place.
+        with npu_device_names():
+            super().reload_weights(*args, **kwargs)
+
     def _drop_graphs(self) -> None:
         """Captured graphs hold the device addresses of memory about to be released: drop
         them (their pool goes with them) and capture them again at wake-up."""
