@@ -13,6 +13,18 @@ import json
 import sys
 
 
+def moe_comm_batches(modules) -> dict:
+    total: dict = {}
+    methods = {id(m.quant_method): m.quant_method for m in modules
+               if getattr(m, "quant_method", None) is not None}
+    for method in methods.values():
+        for name, sizes in (getattr(method, "moe_comm_batches", None) or {}).items():
+            counts = total.setdefault(name, {})
+            for num_tokens, batches in sizes.items():
+                counts[str(num_tokens)] = counts.get(str(num_tokens), 0) + batches
+    return total
+
+
 def probe_worker(worker) -> dict:
     """Runs inside each worker process: which classes did vLLM actually use?"""
     worker = getattr(worker, "worker", worker)  # collective_rpc hands us the wrapper
@@ -32,6 +44,9 @@ def probe_worker(worker) -> dict:
                                            "num_calls", None),
         # NPU graph replays in this worker (NPUModelRunner), if it counts them.
         "graph_replays": getattr(runner, "graph_replays", None),
+        # Per-batch MoE communication under expert parallelism on npu, summed over layers:
+        # {method: {num_tokens: batches}} (AscendUnquantizedFusedMoEMethod.moe_comm_batches).
+        "moe_comm_batches": moe_comm_batches(modules),
         "layer_classes": sorted({type(m).__name__ for m in modules
                                  if type(m).__name__.startswith(("Ascend", "RMSNorm",
                                                                  "SiluAndMul"))}),
