@@ -31,8 +31,8 @@ How the reference models a graph (it has no device queue to capture):
 A captured graph refers to device addresses, as a real one does: ``replay()`` raises when the
 memory of a tensor it captured was released or moved since (storage resized), instead of
 running on freed memory. The captured tensors stay alive with the graph until ``reset()``,
-so their memory stays allocated, as a graph's private pool does; ``pool`` arguments are accepted and only name
-the pool (``graph_pool_handle()``).
+so their memory stays allocated, as a graph's private pool does; ``pool`` arguments are
+accepted and only name the pool (``graph_pool_handle()``).
 """
 
 from __future__ import annotations
