@@ -1,0 +1,83 @@
+"""MLA attention (DeepSeek-V3) on the npu target, on the reference torch_npu: real vLLM, the
+npu platform and the Ascend MLA backend (``ascend_core.attention.npu_mla``: latent-cache
+writes through ``npu_scatter_pa_kv_cache``, attention through the MLA form of
+``npu_fused_infer_attention_score``).
+
+The model is test_eagle_mtp's tiny DeepSeek-V3 (MLA with kv_lora_rank 512 and rope 64, a
+dense first layer, MoE after it, one MTP layer), served in bfloat16. Compared, greedy, on the
+same prompts:
+
+- the npu target against the host target (vLLM's CPU MLA backend): equal up to near-ties
+  (``assert_equal_up_to_near_ties``; the two backends sum in other orders and bfloat16
+  rounds them apart);
+- chunked prefill on the npu target (8 tokens a step, so prompts are split over steps and
+  attend to their cached first part) against the npu target's whole-prompt run, and MTP
+  speculative decoding (3 drafted tokens, verified as 4-token queries) against the npu
+  target without speculation: the same backend on the same device, up to near-ties.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_npu_target import (
+    HOST,
+    LLM,
+    NPU,
+    TOP_LOGPROBS,
+    assert_equal_up_to_near_ties,
+    assert_on_npu,
+)
+
+from vllm_runs import PROMPTS, run_vllm
+
+SMALL = 0.005  # test_eagle_mtp's weight std: the cached model is shared
+MAX_TOKENS = 16
+
+
+def run(model, env, **llm) -> dict:
+    return run_vllm({"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                     "sampling": {"logprobs": TOP_LOGPROBS}, "llm": {**LLM, **llm}}, env)
+
+
+@pytest.fixture(scope="module")
+def deepseek() -> str:
+    from ascend_plugin.tiny_drafts import ensure_deepseek_mtp_model
+
+    return str(ensure_deepseek_mtp_model(std=SMALL, carry_embedding=True))
+
+
+@pytest.fixture(scope="module")
+def deepseek_npu(deepseek) -> dict:
+    return run(deepseek, NPU)
+
+
+def test_deepseek_runs_on_the_npu_target(deepseek_npu):
+    assert_on_npu(deepseek_npu)
+    assert all(len(tokens) == MAX_TOKENS for tokens in deepseek_npu["token_ids"])
+
+
+def test_deepseek_on_npu_equals_the_host_target(deepseek, deepseek_npu):
+    host = run(deepseek, HOST)
+    assert host["platform"] != deepseek_npu["platform"]
+    assert_equal_up_to_near_ties(deepseek_npu, host, "DeepSeek-V3 npu vs host")
+
+
+def test_chunked_prefill_on_npu_keeps_greedy_tokens(deepseek, deepseek_npu):
+    assert max(len(ids) for ids in deepseek_npu["prompt_token_ids"]) > 8
+    chunked = run(deepseek, NPU, enable_chunked_prefill=True, max_num_batched_tokens=8,
+                  max_num_seqs=8)
+    assert_on_npu(chunked)
+    assert_equal_up_to_near_ties(chunked, deepseek_npu, "chunked prefill on npu")
+
+
+def test_mtp_speculation_on_npu_keeps_greedy_tokens(deepseek, deepseek_npu):
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    result = run(deepseek, NPU, speculative_config=spec, disable_log_stats=False)
+    assert_on_npu(result)
+    assert_equal_up_to_near_ties(result, deepseek_npu, "MTP on npu")
+    metrics = result["metrics"]
+    drafts = metrics["vllm:spec_decode_num_drafts"]
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
+    # Drafts were verified (4-token queries through the backend) and some were accepted.
+    assert drafts > 0 and accepted > 0, metrics
+    print(f"\nMTP on npu, k=3: mean acceptance length {1 + accepted / drafts:.3f}")
