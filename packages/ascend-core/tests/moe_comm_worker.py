@@ -171,6 +171,67 @@ def grouped_experts_check(group, dtype: torch.dtype) -> str:
     return "ok"
 
 
+def replicated_check(group) -> dict:
+    """The whole batch on every rank (vLLM's TP + EP): ``dispatch_replicated`` /
+    ``combine_replicated`` through both paths give every rank the whole batch's output; the
+    rows this rank computes are its experts' (token, choice) pairs, of all tokens
+    (all-gather) or of the pairs the ranks' token shares send here (all-to-all). Then
+    ascend-kernels' ``moe_experts`` with unit weights on the dispatched rows (the npu MoE
+    kernel's experts), the routing weights applied by combine."""
+    import ascend_kernels
+
+    facts = {}
+    for name, tokens, num_experts, top_k in (("odd_tokens", 13, 2 * WORLD + 1, 1),
+                                             ("one_token", 1, 2 * WORLD, 1)):
+        experts = ToyExperts(num_experts, seed=41)
+        placement = ExpertPlacement.linear(num_experts, WORLD)
+        x, w, ids = make_batch([tokens], num_experts, top_k, seed=tokens)
+        expected = experts.reference(x, w, ids)
+        owned_pairs = int((placement.owner[ids] == RANK).sum())
+        chosen, rows = [], []
+        for threshold in (0, 10**6):
+            moe = MoECommunication(group, placement, all2all_min_tokens=threshold)
+            dispatched = moe.dispatch_replicated(x.to(DEVICE), w.to(DEVICE), ids.to(DEVICE))
+            assert dispatched.shares == moe.shares(tokens) and sum(dispatched.shares) == tokens
+            if dispatched.method == ALL_GATHER:
+                assert dispatched.hidden_states.shape[0] == owned_pairs
+            out = moe.combine_replicated(experts.run_local(dispatched, placement, RANK),
+                                         dispatched)
+            check_close(out, expected, f"replicated {name} {dispatched.method}", 1e-5)
+            assert moe.counts == {dispatched.method: 1, ({ALL_GATHER, ALL_TO_ALL} - {
+                dispatched.method}).pop(): 0}, moe.counts
+            try:
+                moe.combine(out[:0], dispatched)
+            except ValueError as error:
+                assert "combine_replicated" in str(error), error
+            else:
+                raise AssertionError("combine took rows of dispatch_replicated")
+            chosen.append(dispatched.method)
+            rows.append(int(dispatched.hidden_states.shape[0]))
+        facts[name] = {"chosen": chosen, "rows": rows}
+    # The npu kernel's arithmetic: grouped experts with unit weights, weights in combine.
+    num_experts, inter, tokens = 2 * WORLD, 8, 21
+    generator = torch.Generator().manual_seed(5)
+    w13 = (torch.randn(num_experts, HIDDEN, 2 * inter, generator=generator) / 4).bfloat16()
+    w2 = (torch.randn(num_experts, inter, HIDDEN, generator=generator) / 4).bfloat16()
+    x, w, ids = make_batch([tokens], num_experts, 1, seed=6)
+    x = x.bfloat16()
+    expected = ascend_kernels.moe_experts(x, w13, w2, w, ids)
+    placement = ExpertPlacement.linear(num_experts, WORLD)
+    mine = (placement.owner == RANK).nonzero().reshape(-1)
+    for threshold in (0, 10**6):
+        moe = MoECommunication(group, placement, all2all_min_tokens=threshold)
+        dispatched = moe.dispatch_replicated(x.to(DEVICE), w.to(DEVICE), ids.to(DEVICE))
+        unit = torch.ones(dispatched.hidden_states.shape[0], 1, device=DEVICE)
+        rows = ascend_kernels.moe_experts(dispatched.hidden_states, w13[mine].to(DEVICE),
+                                          w2[mine].to(DEVICE), unit,
+                                          dispatched.local_expert_ids.unsqueeze(1))
+        out = moe.combine_replicated(rows, dispatched)
+        assert out.dtype == torch.bfloat16
+        check_close(out, expected.double(), f"replicated moe_experts {dispatched.method}", 3e-2)
+    return facts
+
+
 def moe_suite(group) -> dict:
     facts = {"moe_experts": [grouped_experts_check(group, dtype)
                              for dtype in (torch.float32, torch.bfloat16)]}
@@ -212,6 +273,7 @@ def moe_suite(group) -> dict:
         assert out.dtype == torch.bfloat16
         check_close(out, expected, f"{name} bf16", 0.1)
         facts[name] = {"rows": rows[ALL_TO_ALL], "chosen": chosen, "tokens": counts[RANK]}
+    facts["replicated"] = replicated_check(group)
     # Both ranks given a bad expert id fail before any collective, with the id in the message.
     placement = ExpertPlacement.linear(4, WORLD)
     bad = torch.tensor([[0, 4]], device=DEVICE)

@@ -88,6 +88,14 @@ def check_moe_facts(facts: list[dict], world: int, device: str) -> None:
         chosen = {tuple(f[name]["chosen"]) for f in facts}
         expected = ALL_TO_ALL if top_k < world else ALL_GATHER
         assert chosen == {(expected, ALL_GATHER)}, (name, chosen)
+    # The whole batch on every rank: each path chosen by the threshold alone (no exchange);
+    # all-gather computes each (token, choice) pair on its expert's owner, all-to-all too,
+    # from the token shares.
+    for name, tokens in (("odd_tokens", 13), ("one_token", 1)):
+        assert {tuple(f["replicated"][name]["chosen"]) for f in facts} == {
+            (ALL_TO_ALL, ALL_GATHER)}, name
+        assert sum(f["replicated"][name]["rows"][0] for f in facts) == tokens, name
+        assert sum(f["replicated"][name]["rows"][1] for f in facts) == tokens, name
     if world == 2:
         # Experts 1 and 4 (local 1 on each rank) were never chosen; experts 3-5 of rank 1
         # got nothing when routing used only experts 0-2; the round-robin layer's expert 3

@@ -15,8 +15,12 @@ Two ways, chosen per batch by :func:`select_moe_comm`:
 
 Both return the same :class:`DispatchedTokens` (the rows this rank computes, grouped by
 local expert) and take the experts' outputs back through ``combine``, so an MoE layer can
-switch between them batch by batch. Pure torch over ``torch.distributed``: any backend with
-all-gather, reduce-scatter and all-to-all works (HCCL on an NPU, gloo on the CPU). No vLLM.
+switch between them batch by batch. When every rank already holds the whole batch (vLLM's
+tensor parallel + expert parallel without data parallelism), ``dispatch_replicated`` /
+``combine_replicated`` of :class:`MoECommunication` make the same choice without a count
+exchange and hand every rank the whole batch's output. Pure torch over ``torch.distributed``:
+any backend with all-gather, reduce-scatter and all-to-all works (HCCL on an NPU, gloo on the
+CPU). No vLLM.
 """
 
 from __future__ import annotations
@@ -187,6 +191,8 @@ class DispatchedTokens:
     tokens_per_expert: torch.Tensor  # [num_local_experts] int64
     method: str
     handle: Any = field(repr=False, default=None)
+    # Set by MoECommunication.dispatch_replicated: every rank's share of the batch's tokens.
+    shares: list[int] | None = None
 
 
 class _MoECommBase:
@@ -306,7 +312,10 @@ class AllGatherMoEComm(_MoECommBase):
     def _dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, sizes: list[int] | None) -> DispatchedTokens:
         gathered = self._gather_tokens(hidden_states, topk_weights, topk_ids, sizes, ())
-        top_k = topk_ids.shape[1]
+        return self._keep_local(gathered, topk_ids.shape[1])
+
+    def _keep_local(self, gathered: GatheredTokens, top_k: int) -> DispatchedTokens:
+        """The (token, choice) rows of ``gathered`` that go to this rank's experts."""
         flat_ids = gathered.topk_ids.reshape(-1).long()
         owner = self.placement.owner.to(flat_ids.device)
         pairs = torch.nonzero(owner[flat_ids] == self.rank).reshape(-1)
@@ -328,6 +337,14 @@ class AllGatherMoEComm(_MoECommBase):
     def combine(self, expert_output: torch.Tensor, dispatched: DispatchedTokens,
                 apply_weights: bool = True) -> torch.Tensor:
         """This rank's tokens: the sum over their choices of weight * expert output."""
+        _, sizes = dispatched.handle
+        return self.reduce_scatter(self.partial_sums(expert_output, dispatched, apply_weights),
+                                   sizes)
+
+    def partial_sums(self, expert_output: torch.Tensor, dispatched: DispatchedTokens,
+                     apply_weights: bool = True) -> torch.Tensor:
+        """Every gathered token's sum over the choices this rank computed (zero rows for
+        tokens none of whose experts are here), before the sum over the ranks."""
         self._check_output(type(self).__name__, expert_output, dispatched)
         token_index, sizes = dispatched.handle
         partial = torch.zeros((sum(sizes), expert_output.shape[1]), dtype=torch.float32,
@@ -336,7 +353,7 @@ class AllGatherMoEComm(_MoECommBase):
         if apply_weights:
             rows = rows * dispatched.topk_weights.float().unsqueeze(1)
         partial.index_add_(0, token_index, rows)
-        return self.reduce_scatter(partial.to(expert_output.dtype), sizes)
+        return partial.to(expert_output.dtype)
 
 
 class AllToAllMoEComm(_MoECommBase):
@@ -455,6 +472,9 @@ class MoECommunication:
         self.all_gather = AllGatherMoEComm(group, placement, validate=validate)
         self.all_to_all = AllToAllMoEComm(group, placement, validate=validate)
         self.world_size = self.all_gather.world_size
+        self.group = group
+        # Batches dispatched per method, by this object (what a test or a log can read).
+        self.counts = {method: 0 for method in MOE_COMM_METHODS}
 
     def select(self, max_tokens: int, top_k: int) -> str:
         return select_moe_comm(max_tokens, self.world_size, top_k, self.all2all_min_tokens)
@@ -469,10 +489,68 @@ class MoECommunication:
             sizes = self.all_gather.token_counts(hidden_states.shape[0], hidden_states.device)
             max_tokens = max(sizes)
         if self.select(max_tokens, max(topk_ids.shape[1], 1)) == ALL_TO_ALL:
+            self.counts[ALL_TO_ALL] += 1
             return self.all_to_all._dispatch(hidden_states, topk_weights, topk_ids)
+        self.counts[ALL_GATHER] += 1
         return self.all_gather._dispatch(hidden_states, topk_weights, topk_ids, sizes)
 
     def combine(self, expert_output: torch.Tensor, dispatched: DispatchedTokens,
                 apply_weights: bool = True) -> torch.Tensor:
+        if dispatched.shares is not None:
+            raise ValueError("MoECommunication.combine: these rows came from "
+                             "dispatch_replicated; combine them with combine_replicated.")
         comm = self.all_to_all if dispatched.method == ALL_TO_ALL else self.all_gather
         return comm.combine(expert_output, dispatched, apply_weights)
+
+    # --- tokens every rank holds alike ------------------------------------------------------
+
+    def shares(self, num_tokens: int) -> list[int]:
+        """An even split of ``num_tokens`` over the ranks, the first ranks one more."""
+        base, extra = divmod(num_tokens, self.world_size)
+        return [base + (1 if rank < extra else 0) for rank in range(self.world_size)]
+
+    def dispatch_replicated(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor) -> DispatchedTokens:
+        """Dispatch a batch that every rank holds in full and alike (tensor-parallel
+        attention in front of expert-parallel MoE without data parallelism: vLLM's TP + EP).
+
+        The batch's token count is the same everywhere, so the choice needs no exchange:
+
+        - all-gather: the tokens are gathered already; this rank keeps the (token, choice)
+          rows of its experts and nothing moves;
+        - all-to-all: rank ``r`` takes its share of the tokens (:meth:`shares`) and sends
+          each of that share's rows to the owner of its expert.
+
+        :meth:`combine_replicated` gives every rank the whole batch's output.
+        """
+        self.all_gather._check_routing(hidden_states, topk_weights, topk_ids)
+        num_tokens, top_k = topk_ids.shape
+        shares = self.shares(num_tokens)
+        method = self.select(num_tokens, max(top_k, 1))
+        self.counts[method] += 1
+        if method == ALL_TO_ALL:
+            start = sum(shares[: self.all_to_all.rank])
+            mine = slice(start, start + shares[self.all_to_all.rank])
+            dispatched = self.all_to_all._dispatch(hidden_states[mine], topk_weights[mine],
+                                                   topk_ids[mine])
+        else:
+            gathered = GatheredTokens(hidden_states, topk_weights, topk_ids, [num_tokens])
+            dispatched = self.all_gather._keep_local(gathered, top_k)
+        dispatched.shares = shares
+        return dispatched
+
+    def combine_replicated(self, expert_output: torch.Tensor, dispatched: DispatchedTokens,
+                           apply_weights: bool = True) -> torch.Tensor:
+        """Every token's sum over its choices of weight * expert output, the whole batch on
+        every rank: the partial sums all-reduced (all-gather), or each share's combined rows
+        gathered from its rank (all-to-all)."""
+        if dispatched.shares is None:
+            raise ValueError("MoECommunication.combine_replicated: these rows came from "
+                             "dispatch, not dispatch_replicated; combine them with combine.")
+        if dispatched.method == ALL_TO_ALL:
+            mine = self.all_to_all.combine(expert_output, dispatched, apply_weights)
+            return all_gatherv(mine, dispatched.shares, self.group)
+        partial = self.all_gather.partial_sums(expert_output, dispatched, apply_weights)
+        if self.world_size > 1:
+            dist.all_reduce(partial, group=self.group)
+        return partial

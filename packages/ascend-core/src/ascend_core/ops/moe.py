@@ -11,7 +11,9 @@ routes with ascend-kernels' ``topk_softmax`` / ``grouped_topk`` (``npu_moe_gatin
 / ``npu_moe_gating_top_k`` on npu tensors) and runs the experts with ascend-kernels'
 ``moe_experts`` (tokens sorted by expert, ``npu_grouped_matmul``, ``npu_swiglu``,
 ``npu_grouped_matmul``, weighted scatter back). The expert weights are transposed once after
-loading into the ``[E, K, N]`` layout the grouped matmul reads. On any other platform (the
+loading into the ``[E, K, N]`` layout the grouped matmul reads. Under expert parallelism
+without data parallelism the method runs a vLLM MoE kernel instead whose dispatch/combine
+picks all-gather or all-to-all per batch (``ascend_core.ops.moe_ep``). On any other platform (the
 host target is a CPU platform for vLLM) every call goes to vLLM's own method.
 """
 
@@ -109,11 +111,38 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             param = getattr(layer, name)
             param.data = param.data.transpose(1, 2).contiguous()
         layer.ascend_weights_kn = True
+        from ascend_core.ops.moe_ep import make_moe_comm_kernel, uses_moe_comm
+
+        if uses_moe_comm(self.moe):
+            self.moe_kernel = make_moe_comm_kernel(
+                layer, self.moe, self.get_fused_moe_quant_config(layer),
+                lambda router_logits: route(
+                    router_logits, top_k=layer.top_k, renormalize=layer.renormalize,
+                    use_grouped_topk=layer.use_grouped_topk,
+                    num_expert_group=layer.num_expert_group, topk_group=layer.topk_group,
+                    scoring_func=layer.scoring_func,
+                    e_score_correction_bias=layer.e_score_correction_bias,
+                    routed_scaling_factor=layer.routed_scaling_factor))
+
+    @property
+    def moe_comm_batches(self) -> dict[str, dict[int, int]] | None:
+        """Under expert parallelism on npu: {method: {num_tokens: batches}} of this layer."""
+        kernel = self.moe_kernel
+        if kernel is None or not self._ours:
+            return None
+        return getattr(kernel.prepare_finalize, "batches", None)
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: torch.Tensor | None = None) -> torch.Tensor:
         if not self._ours:
             return super().apply_monolithic(layer, x, router_logits, input_ids)
+        if self.moe_kernel is not None:
+            # Expert parallel: per-batch dispatch/combine (ascend_core.ops.moe_ep).
+            return self.moe_kernel.apply_monolithic(
+                hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight,
+                router_logits=router_logits, activation=layer.activation,
+                global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
+                apply_router_weight_on_input=False, routing_sink=None)
         return fused_moe(
             x, router_logits, layer.w13_weight, layer.w2_weight, top_k=layer.top_k,
             renormalize=layer.renormalize, expert_map=layer.expert_map,
