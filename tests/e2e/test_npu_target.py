@@ -177,6 +177,25 @@ def test_medusa_speculation_on_npu_keeps_greedy_tokens(medusa_demo, medusa_base_
     assert result["token_ids"] == plain["token_ids"]
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_speculation_on_npu_keeps_greedy_tokens(medusa_demo, medusa_base_npu, method):
+    from ascend_plugin.tiny_drafts import ensure_eagle3_draft, ensure_eagle_draft
+
+    base = medusa_demo[0]
+    if method == "eagle":
+        draft = ensure_eagle_draft(base, std=0.005, carry_embedding=True)
+    else:
+        draft = ensure_eagle3_draft(base, draft_vocab_size=1024)
+    spec = {"method": method, "model": str(draft), "num_speculative_tokens": 3}
+    result = run(base, NPU, speculative_config=spec, disable_log_stats=False)
+    assert_on_npu(result)
+    (worker,) = result["workers"]
+    assert worker["proposer_source"] == "ascend"
+    assert worker["drafter"] == "AscendEagleProposer"
+    assert result["metrics"]["vllm:spec_decode_num_drafts"] > 0
+    assert result["token_ids"] == medusa_base_npu["token_ids"]
+
+
 # --- W8A8 checkpoint --------------------------------------------------------------------------
 
 
