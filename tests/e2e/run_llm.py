@@ -47,6 +47,8 @@ def probe_worker(worker) -> dict:
         # Per-batch MoE communication under expert parallelism on npu, summed over layers:
         # {method: {num_tokens: batches}} (AscendUnquantizedFusedMoEMethod.moe_comm_batches).
         "moe_comm_batches": moe_comm_batches(modules),
+        # Per graph runtime mode (FULL / PIECEWISE): wrappers, graphs captured, replays.
+        "graph_counts": getattr(runner, "graph_counts", None),
         "layer_classes": sorted({type(m).__name__ for m in modules
                                  if type(m).__name__.startswith(("Ascend", "RMSNorm",
                                                                  "SiluAndMul"))}),

@@ -368,6 +368,10 @@ def _graph_request(npu, mode, *, enforce_eager=False, world_size=1, max_num_seqs
 
     config = VllmConfig()
     config.compilation_config.cudagraph_mode = mode
+    # vLLM's optimization levels turn fusion passes on for CUDA; the npu platform must not
+    # keep them for its compilation.
+    config.compilation_config.pass_config.fuse_norm_quant = True
+    config.compilation_config.pass_config.fuse_act_quant = True
     config.model_config = SimpleNamespace(enforce_eager=enforce_eager)
     config.parallel_config.world_size = world_size
     config.scheduler_config.max_num_seqs = max_num_seqs
@@ -395,13 +399,36 @@ def test_graph_sizes_count_speculative_tokens_and_stop_at_one_kv_block(npu):
     assert compilation.cudagraph_capture_sizes == [3, 6, 12, 24, 48, 72, 96, 120]
 
 
+@pytest.mark.parametrize("mode", [CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE])
+def test_piecewise_graphs_compile_with_the_eager_backend(npu, mode):
+    compilation = _graph_request(npu, mode, max_num_seqs=20)
+    assert compilation.cudagraph_mode == mode
+    assert compilation.mode == CompilationMode.VLLM_COMPILE
+    assert compilation.backend == "eager"  # Dynamo's split graph, no Inductor
+    assert compilation.cudagraph_capture_sizes == [1, 2, 4, 8, 16, 20]
+    assert compilation.max_cudagraph_capture_size == 20
+    # No fusion pass is left on: they rewrite the graph for CUDA kernels.
+    assert not compilation.pass_config.fuse_norm_quant
+    assert not compilation.pass_config.fuse_act_quant
+    assert not compilation.pass_config.fuse_allreduce_rms
+
+
+def test_piecewise_pieces_are_wrapped_by_vllms_graph_wrapper(npu):
+    assert npu.AscendPlatform.opaque_attention_op()  # the split points
+    wrapper = resolve_obj_by_qualname(npu.AscendPlatform.get_static_graph_wrapper_cls())
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+    assert wrapper is CUDAGraphWrapper
+
+
 @pytest.mark.parametrize(("mode", "kwargs"), [
-    (CUDAGraphMode.FULL_AND_PIECEWISE, {}),
-    (CUDAGraphMode.PIECEWISE, {}),
+    (CUDAGraphMode.PIECEWISE, {"enforce_eager": True}),
     (CUDAGraphMode.FULL_DECODE_ONLY, {"enforce_eager": True}),
     (CUDAGraphMode.FULL_DECODE_ONLY, {"world_size": 2}),
+    (CUDAGraphMode.PIECEWISE, {"world_size": 2}),
 ])
 def test_everything_else_runs_eagerly(npu, mode, kwargs):
     compilation = _graph_request(npu, mode, **kwargs)
     assert compilation.cudagraph_mode == CUDAGraphMode.NONE
     assert compilation.cudagraph_capture_sizes == []
+    assert compilation.mode == CompilationMode.NONE

@@ -185,3 +185,26 @@ def test_copying_reshapes_and_casts_under_inference_mode_are_replayed(torch_npu)
     torch.testing.assert_close(flat.cpu(), x.t().reshape(6))
     torch.testing.assert_close(as_float.cpu(), x.float())
     torch.testing.assert_close(same.cpu(), x.reshape(3, 2))
+
+
+def test_a_custom_op_is_one_step_and_its_torch_npu_calls_are_not_recorded_again(torch_npu):
+    # A torch.library op whose body calls torch_npu (as the npu target's traced kernels do):
+    # one launch. Recording its torch_npu call too would replay an in-place body twice.
+    @torch.library.custom_op("reference_graph_test::add_norm_", mutates_args=("x",))
+    def add_norm_(x: torch.Tensor, weight: torch.Tensor) -> None:
+        normed, _ = torch_npu.npu_rms_norm(x, weight)
+        x.add_(normed)
+
+    torch.manual_seed(2)
+    weight = torch.rand(8) + 0.5
+    static_x = torch.zeros(2, 8, device="npu")
+    npu_weight = weight.npu()
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph):
+        torch.ops.reference_graph_test.add_norm_(static_x, npu_weight)
+    assert graph.step_names() == ["reference_graph_test.add_norm_.default"]
+    x = torch.randn(2, 8)
+    static_x.copy_(x)
+    graph.replay()
+    expected = x + x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    torch.testing.assert_close(static_x.cpu(), expected)

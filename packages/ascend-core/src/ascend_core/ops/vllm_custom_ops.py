@@ -17,7 +17,15 @@ from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 import ascend_kernels
 from ascend_core import envs
+from ascend_core.ops import traced_ops
 from ascend_core.registry import CUSTOM_OPS
+
+
+def _traced_on_npu(x: torch.Tensor) -> bool:
+    """Whether Dynamo is tracing a forward on the npu device (vLLM's PIECEWISE compilation):
+    the kernels then go in as opaque ``torch.ops.ascend`` nodes (``traced_ops``). The host
+    target's compilation keeps tracing through ``ascend_kernels``."""
+    return torch.compiler.is_compiling() and x.device.type == "npu"
 
 
 class AscendRMSNorm(RMSNorm):
@@ -28,6 +36,10 @@ class AscendRMSNorm(RMSNorm):
         if not x.is_contiguous():
             # torch_npu's norms take dense tensors; Qwen3's q/k norms get strided head views.
             x = x.contiguous()
+        if _traced_on_npu(x):  # one opaque node of vLLM's traced graph
+            if residual is None:
+                return traced_ops.rms_norm(x, self.weight, self.variance_epsilon)
+            return traced_ops.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
         if residual is None:
             return ascend_kernels.rms_norm(x, self.weight.data, self.variance_epsilon)
         return ascend_kernels.add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)
@@ -44,6 +56,10 @@ class AscendRotaryEmbedding(RotaryEmbedding):
     def forward_oot(self, positions: torch.Tensor, query: torch.Tensor,
                     key: torch.Tensor | None = None):
         cos_sin_cache = self._match_cos_sin_cache_dtype(query)
+        if _traced_on_npu(query):
+            traced_ops.rotary_embedding_(positions, query, key, cos_sin_cache, self.head_size,
+                                         self.is_neox_style, self.ub_size_kb)
+            return query, key
         # In place, as vLLM's own device implementations are.
         return ascend_kernels.rotary_embedding(
             positions, query, key, cos_sin_cache, self.head_size, self.is_neox_style,
@@ -54,6 +70,8 @@ class AscendRotaryEmbedding(RotaryEmbedding):
 
 class AscendSiluAndMul(SiluAndMul):
     def forward_oot(self, x: torch.Tensor) -> torch.Tensor:
+        if _traced_on_npu(x):
+            return traced_ops.silu_and_mul(x)
         return ascend_kernels.silu_and_mul(x)
 
     forward_cpu = forward_oot

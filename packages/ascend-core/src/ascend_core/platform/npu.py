@@ -94,8 +94,20 @@ class AscendPlatform(AscendPlatformMixin, Platform):
 
     @classmethod
     def support_static_graph_mode(cls) -> bool:
-        # NPUGraph capture of whole decode steps; check_and_update_config decides whether a
-        # given configuration gets it (FULL decode graphs, or eager).
+        # NPUGraph capture of whole decode steps and of the pieces between attention ops;
+        # check_and_update_config decides which a given configuration gets.
+        return True
+
+    @classmethod
+    def get_static_graph_wrapper_cls(cls) -> str:
+        # vLLM's own wrapper; the runner points torch.cuda.CUDAGraph / torch.cuda.graph at
+        # torch.npu.NPUGraph / torch.npu.graph while it works (npu_device_names).
+        return "vllm.compilation.cuda_graph.CUDAGraphWrapper"
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        # Attention (and its KV-cache write) as vLLM's opaque custom ops: Dynamo does not
+        # trace into the backend, and PIECEWISE graphs split the model there.
         return True
 
     @classmethod
@@ -252,34 +264,38 @@ class AscendPlatform(AscendPlatformMixin, Platform):
 
 
 def _configure_graphs(vllm_config: VllmConfig) -> None:
-    """No torch.compile (Inductor has no NPU backend); FULL decode graphs on NPUGraph when
-    the user's compilation config asks for full graphs (``cudagraph_mode`` FULL or
-    FULL_DECODE_ONLY) and ``enforce_eager`` is off; every other batch, and every batch
-    otherwise, runs eagerly. PIECEWISE graphs need Dynamo's graph splitting and a compiled
-    backend, so they are not offered."""
+    """Graph mode from the user's ``cudagraph_mode`` (``enforce_eager`` off), on NPUGraph
+    through vLLM's ``CUDAGraphWrapper``:
+
+    - FULL / FULL_DECODE_ONLY: FULL graphs of uniform decode batches
+      (``FULL_DECODE_ONLY``), the model eager (no torch.compile); other batches eager;
+    - PIECEWISE / FULL_AND_PIECEWISE: vLLM's compilation (``VLLM_COMPILE``) with the
+      ``eager`` backend -- Dynamo's FX graph split at the attention ops, each piece run as
+      traced (there is no Inductor backend for NPUs) and captured per size as a PIECEWISE
+      graph; attention runs eagerly between the pieces. FULL_AND_PIECEWISE adds FULL
+      graphs for uniform decode batches;
+    - anything else, or ``enforce_eager``: every batch eager.
+
+    Capture sizes are ``plan_decode_capture_sizes`` (requests times 1 + speculative
+    tokens) up to one KV block of tokens.
+    """
     from vllm.config import CompilationMode, CUDAGraphMode
 
     from ascend_core.worker.npu_model_runner import plan_decode_capture_sizes
 
     compilation_config = vllm_config.compilation_config
-    if compilation_config.mode != CompilationMode.NONE:
-        logger.info(
-            "npu target: compilation mode %s is not supported (no Inductor backend for "
-            "NPUs); running the model eagerly.",
-            compilation_config.mode,
-        )
-        compilation_config.mode = CompilationMode.NONE
     asked = compilation_config.cudagraph_mode
     model_config = vllm_config.model_config
     enforce_eager = model_config is None or model_config.enforce_eager
     wants_full = asked in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY)
+    wants_piecewise = asked in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
     parallel = vllm_config.parallel_config
-    if wants_full and not enforce_eager and parallel.world_size > 1:
+    if (wants_full or wants_piecewise) and not enforce_eager and parallel.world_size > 1:
         # vLLM's graph_capture() hands capture to CUDA/XPU communicators only.
-        logger.info("npu target: FULL decode graphs run on one NPU only (world size %d); "
-                    "running eagerly.", parallel.world_size)
-        wants_full = False
-    if wants_full and not enforce_eager:
+        logger.info("npu target: graphs run on one NPU only (world size %d); running "
+                    "eagerly.", parallel.world_size)
+        wants_full = wants_piecewise = False
+    if (wants_full or wants_piecewise) and not enforce_eager:
         speculative = vllm_config.speculative_config
         spec_tokens = (speculative.num_speculative_tokens or 0) if speculative else 0
         scheduler = vllm_config.scheduler_config
@@ -290,18 +306,45 @@ def _configure_graphs(vllm_config: VllmConfig) -> None:
                                             scheduler.max_num_batched_tokens)
         sizes = [size for size in planned if size <= block_size]
         if len(sizes) < len(planned):
-            logger.info("npu target: decode batches above %d tokens (one KV block) run "
-                        "eagerly; not captured: %s.", block_size, planned[len(sizes):])
-        compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+            logger.info("npu target: batches above %d tokens (one KV block) run eagerly; "
+                        "not captured: %s.", block_size, planned[len(sizes):])
         compilation_config.cudagraph_capture_sizes = sizes
         compilation_config.max_cudagraph_capture_size = max(sizes)
+        if wants_piecewise:
+            compilation_config.mode = CompilationMode.VLLM_COMPILE
+            compilation_config.backend = "eager"
+            compilation_config.ir_enable_torch_wrap = False
+            # vLLM's fusion passes rewrite the graph for CUDA/ROCm kernels (and are built
+            # from CUDA-only modules); the eager backend runs the graph as traced.
+            pass_config = compilation_config.pass_config
+            for name, value in vars(pass_config).items():
+                if name.startswith(("fuse_", "enable_")) and value is not False:
+                    setattr(pass_config, name, False)
+            logger.info("npu target: %s graphs (NPUGraph; torch.compile with the eager "
+                        "backend, split at attention) for %s tokens.", asked.name, sizes)
+            return
+        _no_compilation(compilation_config)
+        compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
         logger.info("npu target: FULL decode graphs (NPUGraph) for %s tokens; other batches "
                     "run eagerly.", sizes)
         return
+    _no_compilation(compilation_config)
     if asked not in (None, CUDAGraphMode.NONE):
         logger.info(
-            "npu target: cudagraph_mode %s%s is not supported; running eagerly. Pass "
-            "compilation_config={'cudagraph_mode': 'FULL_DECODE_ONLY'} without enforce_eager "
-            "for FULL decode graphs.", asked, " with enforce_eager" if enforce_eager else "")
+            "npu target: cudagraph_mode %s%s; running eagerly. Pass "
+            "compilation_config={'cudagraph_mode': 'FULL_DECODE_ONLY'} (or PIECEWISE, "
+            "FULL_AND_PIECEWISE) without enforce_eager for graphs.", asked,
+            " with enforce_eager" if enforce_eager else " on more than one NPU")
     compilation_config.cudagraph_mode = CUDAGraphMode.NONE
     compilation_config.cudagraph_capture_sizes = []
+
+
+def _no_compilation(compilation_config) -> None:
+    """The model runs as written: no torch.compile (Inductor has no NPU backend)."""
+    from vllm.config import CompilationMode
+
+    if compilation_config.mode != CompilationMode.NONE:
+        logger.info("npu target: compilation mode %s is not supported without PIECEWISE "
+                    "graphs (no Inductor backend for NPUs); running the model eagerly.",
+                    compilation_config.mode)
+        compilation_config.mode = CompilationMode.NONE

@@ -96,8 +96,11 @@ def _counting_npu_graph_cls() -> type:
     made on first use, since ``torch.npu`` exists only once torch_npu is imported."""
 
     class CountingNPUGraph(torch.npu.NPUGraph):
+        replays = 0
+
         def replay(self) -> None:
             super().replay()
+            self.replays += 1
             _graph_replays[0] += 1
 
     return CountingNPUGraph
@@ -227,6 +230,22 @@ class NPUModelRunner(GPUModelRunner):
         """NPU graph replays in this process so far."""
         return _graph_replays[0]
 
+    @property
+    def graph_counts(self) -> dict[str, dict[str, int]]:
+        """Per runtime mode (``FULL``, ``PIECEWISE``) of vLLM's graph wrappers in this
+        process: how many wrappers (one around the model for FULL, one per piece between
+        attention ops for PIECEWISE), graphs captured and replays of those graphs."""
+        counts: dict[str, dict[str, int]] = {}
+        for wrapper in list(cuda_graph_module.CUDAGraphWrapper._all_instances):
+            mode = counts.setdefault(wrapper.runtime_mode.name,
+                                     {"wrappers": 0, "graphs": 0, "replays": 0})
+            mode["wrappers"] += 1
+            for entry in wrapper.concrete_cudagraph_entries.values():
+                if entry.cudagraph is not None:
+                    mode["graphs"] += 1
+                    mode["replays"] += getattr(entry.cudagraph, "replays", 0)
+        return counts
+
     def _plan_graph_capture_sizes(self) -> list[int]:
         """The decode sizes graph mode will capture; empty when the model runs eagerly."""
         if self.model_config.enforce_eager:
@@ -316,11 +335,13 @@ class NPUModelRunner(GPUModelRunner):
 
     @_on_npu
     def capture_model(self) -> int:
-        """Capture the FULL decode graphs (vLLM's loop, on NPU graphs); eager otherwise."""
-        if not self.full_decode_graphs:
+        """Capture the graphs the platform chose (vLLM's loop, on NPU graphs): FULL decode
+        graphs and/or PIECEWISE graphs of the compiled model's pieces; eager otherwise."""
+        mode = self.compilation_config.cudagraph_mode
+        if mode is None or mode == mode.NONE:
             logger.info("npu target: no graph capture (cudagraph_mode %s); every batch runs "
-                        "eagerly.", self.compilation_config.cudagraph_mode)
+                        "eagerly.", mode)
             return 0
-        logger.info("npu target: capturing FULL decode graphs (NPUGraph) for %s tokens.",
+        logger.info("npu target: capturing %s graphs (NPUGraph) for %s tokens.", mode.name,
                     self.compilation_config.cudagraph_capture_sizes)
         return super().capture_model()
