@@ -7,9 +7,19 @@ vLLM's CUDAGraphWrapper), each against the same configuration run eagerly, greed
   prefill chunks and mixed steps fit the captured sizes too, not only decode steps. Proof
   of replay: ``NPUModelRunner.graph_counts`` -- per runtime mode, vLLM's wrappers in the
   worker, the NPU graphs they captured and how often those were replayed.
+- FULL decode graphs with speculative decoding: a decode step of k drafts per request is a
+  uniform batch of 1 + k tokens per request, captured at multiples of 1 + k. n-gram (k 3)
+  drafts only where the last token occurred before, which the tiny random Llama's output
+  rarely does on text prompts; its prompts here are therefore 2000 distinct token ids of
+  its 2048 (shuffled), so nearly every step drafts k tokens for every request (the drafts
+  are random and rejected: this proves the shapes and the bonus token). Medusa (3 heads,
+  on the Medusa demo) drafts k tokens every step and gets drafts accepted. Both keep the
+  greedy tokens of the run without speculation.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 from test_npu_target import NPU, assert_on_npu, run
@@ -70,3 +80,49 @@ def test_full_and_piecewise_graphs_keep_greedy_tokens(llama, llama_eager_small_s
     assert pieces["graphs"] == pieces["wrappers"] * CAPTURED_SIZES
     assert pieces["replays"] > 0 and pieces["replays"] % pieces["wrappers"] == 0
     assert result["token_ids"] == llama_eager_small_steps["token_ids"]
+
+
+# --- speculative decoding ---------------------------------------------------------------------
+
+FULL_DECODE = graphs("FULL_DECODE_ONLY", max_num_seqs=8)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+# 2000 of the 2048 token ids, shuffled, per prompt: the model's position limit (2048) leaves
+# room for the 16 generated tokens and the drafts.
+VOCAB_PROMPTS = [{"prompt_token_ids": random.Random(seed).sample(range(2048), 2000)}
+                 for seed in range(4)]
+LONG = {"max_model_len": 2048}
+
+
+def test_full_decode_graphs_replay_ngram_verification_steps(llama):
+    plain = run(llama, NPU, prompts=VOCAB_PROMPTS, **LONG)
+    result = run(llama, NPU, prompts=VOCAB_PROMPTS, speculative_config=NGRAM,
+                 disable_log_stats=False, **LONG, **FULL_DECODE)
+    assert_on_npu(result)
+    metrics = result["metrics"]
+    full = counts(result)["FULL"]
+    print(f"\nn-gram under FULL graphs: {full}, drafts {metrics['vllm:spec_decode_num_drafts']}")
+    assert full["graphs"] == CAPTURED_SIZES  # 4, 8, 16, 32 tokens: 1, 2, 4, 8 requests
+    # Most of the 15 decode steps drafted 3 tokens for every request and ran as a graph.
+    assert full["replays"] >= (MAX_TOKENS - 1) // 2
+    assert metrics["vllm:spec_decode_num_drafts"] >= full["replays"]
+    assert result["token_ids"] == plain["token_ids"]
+
+
+def test_full_decode_graphs_replay_medusa_steps_with_accepted_drafts():
+    from ascend_plugin.demo import MEDUSA_HEADS, ensure_medusa_demo
+
+    base, heads = ensure_medusa_demo()
+    plain = run(base, NPU)
+    spec = {"method": "medusa", "model": heads, "num_speculative_tokens": MEDUSA_HEADS}
+    result = run(base, NPU, speculative_config=spec, disable_log_stats=False, **FULL_DECODE)
+    assert_on_npu(result)
+    metrics = result["metrics"]
+    full = counts(result)["FULL"]
+    print(f"\nMedusa under FULL graphs: {full}, drafts {metrics['vllm:spec_decode_num_drafts']}"
+          f", accepted {metrics['vllm:spec_decode_num_accepted_tokens']}")
+    assert full["graphs"] == CAPTURED_SIZES
+    # Every decode step drafts for every request: each one is a uniform batch, replayed.
+    assert full["replays"] > 0
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert result["token_ids"] == plain["token_ids"]
