@@ -9,10 +9,10 @@ One ``EplbRuntime`` per serving process (per expert-parallel rank) owns:
   local slot (``(experts + redundant) / ranks`` rows), which the MoE kernel reads;
 - an ``ExpertLoadRecorder`` fed by the MoE layers.
 
-The model glue (``ascend_eplb.vllm`` on the host target) calls ``start`` once, then per
-forward step ``on_step_boundary`` before the first MoE layer runs, and per MoE layer
-``record`` and ``route``. Every ``heat_collection_interval`` steps the recorded
-window is handed to the policy (rank 0 plans in a background thread); after
+The model glue (``ascend_eplb.vllm``, on the host and npu targets) calls ``start`` once,
+then per forward step ``on_step_boundary`` before the first MoE layer runs, and per MoE
+layer ``record`` and ``route`` (or ``route_physical``). Every ``heat_collection_interval``
+steps the recorded window is handed to the policy (rank 0 plans in a background thread); after
 ``execution_delay`` more steps the new placement is applied, between two steps:
 
 1. rank 0 broadcasts the new ``phy2log`` (or that planning failed);
@@ -129,20 +129,27 @@ class Placement:
         k = self.slots_per_rank
         return self.phy2log[:, rank * k : (rank + 1) * k]
 
-    def route(
-        self, layer: int, topk_ids: torch.Tensor, rank: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Physical slot of each (token, choice), as ``(local_slot, is_local)`` for ``rank``.
+    def physical(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Global physical slot of each (token, choice) (``[tokens, top_k]`` int64).
 
         A token whose expert has ``n`` replicas goes to replica ``token_index % n``,
-        which spreads a batch evenly over the replicas; ``local_slot`` is the slot
-        index on ``rank`` (meaningless where ``is_local`` is False).
+        which spreads a batch evenly over the replicas.
         """
         ids = topk_ids.to(torch.int64).clamp(min=0)
         counts = self.logcnt[layer][ids]
         token = torch.arange(ids.size(0), device=ids.device).unsqueeze(-1)
         replica = token % counts
-        physical = self.log2phy[layer][ids, replica]
+        return self.log2phy[layer][ids, replica]
+
+    def route(
+        self, layer: int, topk_ids: torch.Tensor, rank: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Physical slot of each (token, choice), as ``(local_slot, is_local)`` for ``rank``.
+
+        The replica is ``physical``'s; ``local_slot`` is the slot index on ``rank``
+        (meaningless where ``is_local`` is False).
+        """
+        physical = self.physical(layer, topk_ids)
         local = physical - rank * self.slots_per_rank
         is_local = (local >= 0) & (local < self.slots_per_rank)
         return local, is_local
@@ -318,6 +325,11 @@ class EplbRuntime:
         """``(local_slot, is_local)`` of each (token, choice) on this rank."""
         placement = self._in_service()
         return placement.route(layer, topk_ids, self.rank)
+
+    def route_physical(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Global physical slot (``[0, experts + redundant)``) of each (token, choice), for
+        MoE paths that send each row to the rank of its slot themselves."""
+        return self._in_service().physical(layer, topk_ids)
 
     def record(
         self, layer: int, topk_ids: torch.Tensor, prefill_mask: torch.Tensor | None = None

@@ -13,11 +13,19 @@ routes with ascend-kernels' ``topk_softmax`` / ``grouped_topk`` (``npu_moe_gatin
 ``npu_grouped_matmul``, weighted scatter back). The expert weights are transposed once after
 loading into the ``[E, K, N]`` layout the grouped matmul reads. Under expert parallelism
 without data parallelism the method runs a vLLM MoE kernel instead whose dispatch/combine
-picks all-gather or all-to-all per batch (``ascend_core.ops.moe_ep``). On any other platform (the
-host target is a CPU platform for vLLM) every call goes to vLLM's own method.
+picks all-gather or all-to-all per batch (``ascend_core.ops.moe_ep``).
+
+An expert-load balancer (ascend-eplb's MoE layer) may hand the method physical expert slots
+(:class:`ExpertSlots` through ``serve_expert_slots``): the routed logical ids then go through
+its ``to_slots`` before the experts run, and the layer's weights hold one row per local slot.
+On any other platform (the host target is a CPU platform for vLLM) every call goes to vLLM's
+own method.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
@@ -26,8 +34,60 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 )
 
 import ascend_kernels
+from ascend_core.distributed.moe_comm import ExpertPlacement
 
 SERVED_ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class ExpertSlots:
+    """Physical expert slots serving a MoE layer in place of its logical experts (EPLB).
+
+    The slots are spread evenly over the expert-parallel ranks: rank ``r`` holds slots
+    ``r * k .. r * k + k - 1`` as its weight rows ``0 .. k - 1`` (``k = slots_per_rank``). An
+    expert may have several slots (redundant experts); ``to_slots`` picks one per (token,
+    choice): ``[tokens, top_k]`` logical ids -> ``[tokens, top_k]`` slot ids in
+    ``[0, num_slots)``. It is called once per layer forward with the routed ids of the whole
+    batch, so it may also count them (load recording).
+    """
+
+    num_slots: int
+    num_ranks: int
+    to_slots: Callable[[torch.Tensor], torch.Tensor]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
+            raise ValueError(f"ExpertSlots: num_ranks must be an integer >= 1, got "
+                             f"{self.num_ranks!r}.")
+        if (not isinstance(self.num_slots, int) or self.num_slots < self.num_ranks
+                or self.num_slots % self.num_ranks):
+            raise ValueError(f"ExpertSlots: num_slots must be a positive multiple of num_ranks="
+                             f"{self.num_ranks} (the same slots on every rank), got "
+                             f"{self.num_slots!r}.")
+        if not callable(self.to_slots):
+            raise TypeError(f"ExpertSlots: to_slots must be callable, got "
+                            f"{type(self.to_slots).__name__}.")
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.num_ranks
+
+    def placement(self) -> ExpertPlacement:
+        """The slots as the MoE communication's experts: slot ``s`` on rank ``s // k``."""
+        slots = torch.arange(self.num_slots, dtype=torch.int64)
+        return ExpertPlacement(slots // self.slots_per_rank, slots % self.slots_per_rank,
+                               self.num_ranks)
+
+    def route(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """``to_slots(topk_ids)``, checked: same shape, integer ids."""
+        slot_ids = self.to_slots(topk_ids)
+        if (not isinstance(slot_ids, torch.Tensor) or slot_ids.shape != topk_ids.shape
+                or slot_ids.is_floating_point()):
+            got = (f"{tuple(slot_ids.shape)} {slot_ids.dtype}"
+                   if isinstance(slot_ids, torch.Tensor) else type(slot_ids).__name__)
+            raise ValueError(f"ExpertSlots.to_slots must return integer slot ids shaped like "
+                             f"the routed ids {tuple(topk_ids.shape)}, got {got}.")
+        return slot_ids
 
 
 def route(router_logits: torch.Tensor, *, top_k: int, renormalize: bool,
@@ -53,11 +113,22 @@ def route(router_logits: torch.Tensor, *, top_k: int, renormalize: bool,
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, *, top_k: int, renormalize: bool,
-              expert_map: torch.Tensor | None = None, **routing) -> torch.Tensor:
+              expert_map: torch.Tensor | None = None, slots: ExpertSlots | None = None,
+              **routing) -> torch.Tensor:
     """Route, then run the experts. ``w13`` ``[E, H, 2I]``, ``w2`` ``[E, I, H]``;
-    ``expert_map`` (expert parallelism) maps global expert ids to local ones (-1 elsewhere).
+    ``expert_map`` (expert parallelism) maps global expert ids to local ones (-1 elsewhere);
+    ``slots`` (one rank) maps logical ids to the rows of ``w13`` / ``w2`` (EPLB's slots).
     """
     weights, ids = route(router_logits, top_k=top_k, renormalize=renormalize, **routing)
+    if slots is not None:
+        if expert_map is not None or slots.num_ranks != 1:
+            raise ValueError("fused_moe serves expert slots on one rank only, without an "
+                             f"expert_map (num_ranks={slots.num_ranks}); expert-parallel "
+                             "slots go through the MoE communication kernel.")
+        if w13.shape[0] != slots.num_slots:
+            raise ValueError(f"fused_moe: {slots.num_slots} expert slots but w13 has "
+                             f"{w13.shape[0]} rows; the weights must hold one row per slot.")
+        ids = slots.route(ids)
     if expert_map is not None:
         ids = expert_map[ids.long()]
     return ascend_kernels.moe_experts(x, w13, w2, weights, ids)
@@ -70,9 +141,17 @@ def _activation_name(activation) -> str:
 class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
     """vLLM's unquantized MoE method, monolithic on the npu platform."""
 
+    # Physical expert slots an expert-load balancer put in service (serve_expert_slots).
+    expert_slots: ExpertSlots | None = None
+
     @property
     def _ours(self) -> bool:
         return self.unquantized_backend == UnquantizedMoeBackend.OOT
+
+    @property
+    def runs_npu_path(self) -> bool:
+        """Whether this layer runs the npu path (routing and experts here), not vLLM's."""
+        return self._ours
 
     @property
     def is_monolithic(self) -> bool:
@@ -80,7 +159,8 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     @property
     def supports_eplb(self) -> bool:
-        # The monolithic path routes to logical experts; EPLB needs vLLM's router.
+        # vLLM's own EPLB (--enable-eplb, its EplbState) needs vLLM's router; ascend-eplb
+        # (additional_config eplb_config) serves this method through serve_expert_slots.
         return False if self._ours else super().supports_eplb
 
     def process_weights_after_loading(self, layer) -> None:
@@ -116,13 +196,64 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         if uses_moe_comm(self.moe):
             self.moe_kernel = make_moe_comm_kernel(
                 layer, self.moe, self.get_fused_moe_quant_config(layer),
-                lambda router_logits: route(
-                    router_logits, top_k=layer.top_k, renormalize=layer.renormalize,
-                    use_grouped_topk=layer.use_grouped_topk,
-                    num_expert_group=layer.num_expert_group, topk_group=layer.topk_group,
-                    scoring_func=layer.scoring_func,
-                    e_score_correction_bias=layer.e_score_correction_bias,
-                    routed_scaling_factor=layer.routed_scaling_factor))
+                lambda router_logits: self._select_experts(layer, router_logits))
+
+    def _select_experts(self, layer, router_logits: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed ``(weights, ids)``; the ids are slots once ``expert_slots`` is set."""
+        weights, ids = route(
+            router_logits, top_k=layer.top_k, renormalize=layer.renormalize,
+            use_grouped_topk=layer.use_grouped_topk, num_expert_group=layer.num_expert_group,
+            topk_group=layer.topk_group, scoring_func=layer.scoring_func,
+            e_score_correction_bias=layer.e_score_correction_bias,
+            routed_scaling_factor=layer.routed_scaling_factor)
+        if self.expert_slots is not None:
+            ids = self.expert_slots.route(ids)
+        return weights, ids
+
+    def serve_expert_slots(self, layer, slots: ExpertSlots) -> None:
+        """Serve ``layer`` from physical expert slots from now on (EPLB's hook).
+
+        The caller has already replaced ``layer.w13_weight`` / ``w2_weight`` by tensors of
+        ``slots.slots_per_rank`` rows in this method's ``[E, K, N]`` layout, and keeps their
+        rows in step with ``slots.to_slots``. Under expert parallelism the slots spread over
+        the EP group and the tokens travel to the rank of their slot.
+        """
+        name = getattr(layer, "layer_name", "?")
+        if not self._ours or not getattr(layer, "ascend_weights_kn", False):
+            raise NotImplementedError(
+                f"MoE layer {name!r}: expert slots are served by the npu platform's "
+                f"unquantized experts after weight loading; this method runs "
+                f"{self.unquantized_backend} (weights processed: "
+                f"{getattr(layer, 'ascend_weights_kn', False)}).")
+        if not isinstance(slots, ExpertSlots):
+            raise TypeError(f"MoE layer {name!r}: serve_expert_slots takes ExpertSlots, got "
+                            f"{type(slots).__name__}.")
+        parallel = self.moe.moe_parallel_config
+        ep_size = parallel.ep_size if parallel.use_ep else 1
+        if ep_size > 1 and self.moe_kernel is None:
+            raise NotImplementedError(
+                f"MoE layer {name!r}: expert slots over {ep_size} expert-parallel ranks need "
+                f"the per-batch MoE communication (tensor + expert parallel without data "
+                f"parallelism); this layer has dp_size={parallel.dp_size}, "
+                f"pcp_size={parallel.pcp_size}.")
+        if slots.num_ranks != ep_size:
+            raise ValueError(f"MoE layer {name!r}: the slots are spread over "
+                             f"{slots.num_ranks} ranks but the layer has {ep_size} "
+                             f"expert-parallel rank(s).")
+        for weight in ("w13_weight", "w2_weight"):
+            rows = getattr(layer, weight).shape[0]
+            if rows != slots.slots_per_rank:
+                raise ValueError(f"MoE layer {name!r}: {weight} has {rows} expert rows but "
+                                 f"{slots.slots_per_rank} slots are local to this rank; "
+                                 f"replace the weights by the slot weights first.")
+        if self.moe_kernel is not None:
+            from vllm.distributed import get_ep_group
+
+            communicator = get_ep_group().device_communicator
+            self.moe_kernel.prepare_finalize.comm = communicator.moe_communication(
+                slots.placement())
+        self.expert_slots = slots
 
     @property
     def moe_comm_batches(self) -> dict[str, dict[int, int]] | None:
@@ -143,13 +274,15 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
                 router_logits=router_logits, activation=layer.activation,
                 global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
                 apply_router_weight_on_input=False, routing_sink=None)
+        slots = self.expert_slots
         return fused_moe(
             x, router_logits, layer.w13_weight, layer.w2_weight, top_k=layer.top_k,
-            renormalize=layer.renormalize, expert_map=layer.expert_map,
+            renormalize=layer.renormalize, slots=slots,
+            expert_map=layer.expert_map if slots is None else None,
             use_grouped_topk=layer.use_grouped_topk, num_expert_group=layer.num_expert_group,
             topk_group=layer.topk_group, scoring_func=layer.scoring_func,
             e_score_correction_bias=layer.e_score_correction_bias,
             routed_scaling_factor=layer.routed_scaling_factor)
 
 
-__all__ = ["AscendUnquantizedFusedMoEMethod", "fused_moe", "route"]
+__all__ = ["AscendUnquantizedFusedMoEMethod", "ExpertSlots", "fused_moe", "route"]

@@ -17,10 +17,22 @@ routing (top-k over logical experts), weight loading and MoE kernel (its modular
   of vLLM's prepacked per-expert weights), which replace the layer's parameters;
 - the ids are counted for the load recorder, and the first MoE layer of each forward
   step lets the runtime apply a rearrangement before any expert runs.
+
+On the npu target the MoE method is ascend-core's monolithic
+``AscendUnquantizedFusedMoEMethod`` (routing and experts on torch_npu ops; under tensor +
+expert parallelism its per-batch all-gather / all-to-all kernel). The same runtime serves
+it through the method's hook ``serve_expert_slots``: the runtime's slot buffers replace the
+layer's weights, and the method hands each routed batch of logical ids to ``ExpertSlots.
+to_slots``, where they are counted and mapped to global physical slots
+(``EplbRuntime.route_physical``); the expert-parallel kernel then sends each row to the rank
+of its slot. Weights move between ranks over the EP group's device group (HCCL). Captured
+NPU graphs would replay without the per-step recording and routing updates, so EPLB on npu
+runs eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -36,10 +48,11 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 from vllm.platforms import current_platform
 
 from ascend_core.config import get_ascend_config
+from ascend_core.ops.moe import AscendUnquantizedFusedMoEMethod, ExpertSlots
 from ascend_eplb.expert_map import ExpertMap, load_expert_map
 from ascend_eplb.runtime import EplbRuntime, EplbSettings, check_policy
 
-__all__ = ["AscendRoutedExperts", "HostEplb", "eplb_summary"]
+__all__ = ["AscendRoutedExperts", "HostEplb", "ModelEplb", "eplb_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +61,22 @@ EXPERT_PARAMS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 
 
 class AscendRoutedExperts(RoutedExperts):
-    """vLLM's routed experts, served through ``HostEplb`` when EPLB is configured."""
+    """vLLM's routed experts, served through ``ModelEplb`` when EPLB is configured."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.eplb_index = -1
-        self.eplb_host: HostEplb | None = HostEplb.for_layer(self)
+        self.eplb_host: ModelEplb | None = ModelEplb.for_layer(self)
+
+    def forward_monolithic(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> Any:
+        if self.eplb_host is None:
+            return super().forward_monolithic(x, router_logits, input_ids)
+        return self.eplb_host.forward_monolithic(self, x, router_logits, input_ids)
 
     def forward_modular(
         self,
@@ -83,23 +106,51 @@ class _StepInfo:
 _NOT_A_STEP = _StepInfo(real=False)
 
 
-class HostEplb:
+HOST, NPU = "host", "npu"
+
+
+def _target() -> str | None:
+    """The Ascend target this process serves, or None on another platform."""
+    if current_platform.is_cpu():
+        return HOST
+    if getattr(current_platform, "device_type", None) == NPU:
+        return NPU
+    return None
+
+
+def _servable(layer: Any, target: str) -> bool:
+    method = layer.quant_method
+    if target == NPU:
+        return isinstance(method, AscendUnquantizedFusedMoEMethod) and method.runs_npu_path
+    return isinstance(method, UnquantizedFusedMoEMethod)
+
+
+class ModelEplb:
     """The EPLB state of one model in one worker process: its MoE layers (in forward
     order) and, once the first forward has run, their ``EplbRuntime``."""
 
-    _by_config: dict[int, HostEplb] = {}
+    _by_config: dict[int, ModelEplb] = {}
 
-    def __init__(self, vllm_config: Any, eplb_config: Any) -> None:
+    def __init__(self, vllm_config: Any, eplb_config: Any, target: str = HOST) -> None:
         self.vllm_config = vllm_config
         self.eplb_config = eplb_config
+        self.target = target
         self.layers: list[AscendRoutedExperts] = []
         self.runtime: EplbRuntime | None = None
         self._step = _NOT_A_STEP
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError(
-                "EPLB on the host target does not support pipeline parallelism "
+                f"EPLB on the {target} target does not support pipeline parallelism "
                 f"(pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size}); "
                 "use tensor/expert parallelism"
+            )
+        graphs = vllm_config.compilation_config.cudagraph_mode
+        if target == NPU and graphs is not None and graphs.name != "NONE":
+            raise NotImplementedError(
+                f"EPLB on the npu target runs eagerly: captured NPU graphs would replay "
+                f"without its per-step load recording and routing updates, but "
+                f"compilation_config.cudagraph_mode is {graphs.name}. Pass enforce_eager=True "
+                "(or cudagraph_mode='NONE'), or turn eplb_config off."
             )
         check_policy(eplb_config.policy)  # an unknown policy fails at start-up
         self.expert_map: ExpertMap | None = None
@@ -110,29 +161,33 @@ class HostEplb:
         self.decode_query_len = 1 + (getattr(spec, "num_speculative_tokens", 0) or 0)
 
     @classmethod
-    def for_layer(cls, layer: AscendRoutedExperts) -> HostEplb | None:
-        """The model's ``HostEplb`` with ``layer`` added, or None if EPLB is not wanted."""
+    def for_layer(cls, layer: AscendRoutedExperts) -> ModelEplb | None:
+        """The model's ``ModelEplb`` with ``layer`` added, or None if EPLB is not wanted."""
         eplb = get_ascend_config().eplb_config
         wanted = bool(eplb.dynamic_eplb or eplb.expert_map_path or eplb.num_redundant_experts)
-        if not current_platform.is_cpu():
+        target = _target()
+        if target is None:
             if wanted:
-                logger.warning("eplb_config: the EPLB runtime serves the host target only so "
-                               "far; %s runs without it", layer.layer_name)
+                logger.warning("eplb_config: the EPLB runtime serves the host and npu targets; "
+                               "%s runs without it on %s", layer.layer_name,
+                               getattr(current_platform, "device_type", "?"))
             return None
-        servable = isinstance(layer.quant_method, UnquantizedFusedMoEMethod)
+        servable = _servable(layer, target)
         if wanted and not servable:
+            what = ("the npu platform's unquantized MoE layers (AscendUnquantizedFusedMoEMethod)"
+                    if target == NPU else "unquantized MoE layers")
             raise NotImplementedError(
-                f"EPLB on the host target serves unquantized MoE layers; {layer.layer_name} "
+                f"EPLB on the {target} target serves {what}; {layer.layer_name} "
                 f"uses {type(layer.quant_method).__name__}. Turn eplb_config off for this model."
             )
         # vLLM's CPU MoE kernels ignore expert_map: expert parallelism needs this layer.
-        ep_on_cpu = layer.use_ep and servable
+        ep_on_cpu = target == HOST and layer.use_ep and servable
         if not (wanted or ep_on_cpu):
             return None
         vllm_config = get_current_vllm_config()
         host = cls._by_config.get(id(vllm_config))
-        if host is None or host.vllm_config is not vllm_config:
-            host = cls(vllm_config, eplb)
+        if host is None or host.vllm_config is not vllm_config or host.target != target:
+            host = cls(vllm_config, eplb, target)
             cls._by_config = {id(vllm_config): host}  # one model per worker process
         layer.eplb_index = len(host.layers)
         host.layers.append(layer)
@@ -154,13 +209,7 @@ class HostEplb:
             self._begin_forward()
         runtime = self.runtime
         assert runtime is not None, "the first MoE layer starts EPLB"
-        step = self._step
-        if step.real:
-            ids = topk_ids if step.num_tokens is None else topk_ids[: step.num_tokens]
-            mask = step.prefill_mask
-            if mask is not None and mask.numel() != ids.size(0):
-                mask = None
-            runtime.record(layer.eplb_index, ids, mask)
+        self._record(layer.eplb_index, topk_ids)
         local_slot, is_local = runtime.route(layer.eplb_index, topk_ids)
         slot_ids = torch.where(is_local, local_slot, 0).to(topk_ids.dtype)
         weights = torch.where(is_local, topk_weights, torch.zeros_like(topk_weights))
@@ -178,6 +227,39 @@ class HostEplb:
             shared_experts_input=shared_experts_input,
         )
 
+    @torch.compiler.disable
+    def forward_monolithic(
+        self,
+        layer: AscendRoutedExperts,
+        x: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        input_ids: torch.Tensor | None,
+    ) -> Any:
+        """The npu method routes and runs the experts; its ``ExpertSlots`` call back into
+        ``_to_slots`` with the routed ids (started in ``_start``)."""
+        if layer.eplb_index == 0:
+            self._begin_forward()
+        return layer.quant_method.apply_monolithic(
+            layer=layer, x=x, router_logits=router_logits, input_ids=input_ids
+        )
+
+    def _to_slots(self, index: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Layer ``index``'s routed logical ids -> global physical slots, recorded."""
+        runtime = self.runtime
+        assert runtime is not None, "the first MoE layer starts EPLB"
+        self._record(index, topk_ids)
+        return runtime.route_physical(index, topk_ids)
+
+    def _record(self, index: int, topk_ids: torch.Tensor) -> None:
+        step = self._step
+        if not step.real:
+            return
+        ids = topk_ids if step.num_tokens is None else topk_ids[: step.num_tokens]
+        mask = step.prefill_mask
+        if mask is not None and mask.numel() != ids.size(0):
+            mask = None
+        self.runtime.record(index, ids, mask)
+
     def _begin_forward(self) -> None:
         if self.runtime is None:
             self._start()
@@ -194,14 +276,12 @@ class HostEplb:
         if not metadata:
             return _NOT_A_STEP
         for per_layer in metadata.values():
-            starts = getattr(per_layer, "query_start_loc", None)
-            if isinstance(starts, torch.Tensor) and starts.numel() >= 1:
+            lengths = _query_lengths(per_layer)
+            if lengths is not None:
                 break
         else:
             return _StepInfo(real=True)
-        starts = starts.to(device="cpu", dtype=torch.int64)
-        lengths = (starts[1:] - starts[:-1]).clamp(min=0)
-        num_tokens = int(getattr(per_layer, "num_actual_tokens", int(starts[-1])))
+        num_tokens = int(getattr(per_layer, "num_actual_tokens", int(lengths.sum())))
         prefill = torch.repeat_interleave(lengths > self.decode_query_len, lengths)
         mask = prefill[:num_tokens] if prefill.numel() >= num_tokens else None
         return _StepInfo(real=True, num_tokens=num_tokens, prefill_mask=mask)
@@ -209,11 +289,17 @@ class HostEplb:
     # ------------------------------------------------------------------ start
 
     def _start(self) -> None:
+        # The slot buffers become the layers' parameters: they must be normal tensors, not
+        # inference tensors (the npu runner runs its forwards in inference mode).
+        with torch.inference_mode(False):
+            self._start_runtime()
+
+    def _start_runtime(self) -> None:
         layers = self.layers
         first = layers[0]
         num_experts = first.global_num_experts
         for layer in layers:
-            _check_servable(layer, num_experts, first.use_ep)
+            _check_servable(layer, num_experts, first.use_ep, self.target)
         names = [n for n in EXPERT_PARAMS if isinstance(getattr(first, n, None), torch.Tensor)]
         if first.use_ep:
             from vllm.distributed import get_ep_group
@@ -250,39 +336,67 @@ class HostEplb:
                 getattr(layer, name).data = buffer
             layer.local_num_experts = runtime.slots_per_rank
         self.runtime = runtime
+        if self.target == NPU:
+            for layer in layers:
+                slots = ExpertSlots(settings.num_slots, num_ranks,
+                                    functools.partial(self._to_slots, layer.eplb_index))
+                layer.quant_method.serve_expert_slots(layer, slots)
         if self.eplb_config.mix_placement:
             logger.warning(
-                "eplb_config.mix_placement: the host target serves shared experts as vLLM "
+                "eplb_config.mix_placement: the %s target serves shared experts as vLLM "
                 "does (on every rank); mix placement is available to planners through "
-                "ascend_eplb.mix_placement"
+                "ascend_eplb.mix_placement", self.target
             )
         logger.info(
-            "EPLB on the host target: %d MoE layers, %d experts + %d redundant on %d rank(s), "
+            "EPLB on the %s target: %d MoE layers, %d experts + %d redundant on %d rank(s), "
             "policy %s, dynamic %s (replan every %d steps, applied %d steps later), "
             "heat collection phase %s",
-            len(layers), num_experts, settings.num_redundant_experts, num_ranks,
+            self.target, len(layers), num_experts, settings.num_redundant_experts, num_ranks,
             settings.policy, settings.dynamic, settings.heat_collection_interval,
             settings.execution_delay, settings.phase,
         )
 
     def summary(self) -> dict[str, Any]:
         if self.runtime is None:
-            return {"started": False, "layers": len(self.layers)}
-        return {"started": True, **self.runtime.summary()}
+            return {"started": False, "target": self.target, "layers": len(self.layers)}
+        return {"started": True, "target": self.target, **self.runtime.summary()}
+
+
+def _query_lengths(metadata: Any) -> torch.Tensor | None:
+    """[requests] int64 query tokens of each request in a layer's attention metadata: vLLM's
+    backends give ``query_start_loc``, the npu target's Ascend attention ``query_lens``."""
+    starts = getattr(metadata, "query_start_loc", None)
+    if isinstance(starts, torch.Tensor) and starts.numel() >= 1:
+        starts = starts.to(device="cpu", dtype=torch.int64)
+        return (starts[1:] - starts[:-1]).clamp(min=0)
+    lengths = getattr(metadata, "query_lens", None)
+    if isinstance(lengths, (list, tuple)) and all(isinstance(n, int) for n in lengths):
+        return torch.tensor(lengths, dtype=torch.int64).reshape(-1)
+    return None
 
 
 def eplb_summary(model: torch.nn.Module) -> dict[str, Any] | None:
     """The EPLB counters of ``model`` (a vLLM model in this process), or None without EPLB."""
     for module in model.modules():
         host = getattr(module, "eplb_host", None)
-        if isinstance(host, HostEplb):
+        if isinstance(host, ModelEplb):
             return host.summary()
     return None
 
 
-def _check_servable(layer: RoutedExperts, num_experts: int, use_ep: bool) -> None:
+# The name this class had while it served the host target only.
+HostEplb = ModelEplb
+
+
+def _check_servable(layer: RoutedExperts, num_experts: int, use_ep: bool, target: str) -> None:
     method = layer.quant_method
-    if (
+    if target == NPU:
+        if not (_servable(layer, NPU) and getattr(layer, "ascend_weights_kn", False)):
+            raise NotImplementedError(
+                f"EPLB on the npu target serves the npu platform's unquantized MoE method "
+                f"after weight loading; {layer.layer_name} uses {type(method).__name__}"
+            )
+    elif (
         not isinstance(method, UnquantizedFusedMoEMethod)
         or getattr(method, "moe_kernel", None) is None
         or method.is_monolithic
