@@ -15,6 +15,10 @@ vLLM's CUDAGraphWrapper), each against the same configuration run eagerly, greed
   are random and rejected: this proves the shapes and the bonus token). Medusa (3 heads,
   on the Medusa demo) drafts k tokens every step and gets drafts accepted. Both keep the
   greedy tokens of the run without speculation.
+- FULL decode graphs with tensor parallel 2 (two reference NPUs, HCCL = gloo underneath):
+  the all-reduces are steps of the captured graphs (``npu_graph_capture`` in place of
+  vLLM's ``graph_capture``, which takes CUDA/XPU communicators only); compared with TP 2
+  eager up to near-ties (``assert_equal_up_to_near_ties``), on the Medusa demo's base Llama.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_npu_target import NPU, assert_on_npu, run
+from test_npu_target import NPU, assert_equal_up_to_near_ties, assert_on_npu, run
 
 MAX_TOKENS = 16
 SMALL_STEPS = {"max_num_seqs": 8, "max_num_batched_tokens": 8}
@@ -126,3 +130,24 @@ def test_full_decode_graphs_replay_medusa_steps_with_accepted_drafts():
     assert full["replays"] > 0
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
     assert result["token_ids"] == plain["token_ids"]
+
+
+# --- tensor parallel 2 ------------------------------------------------------------------------
+
+
+def test_full_decode_graphs_with_tensor_parallel_2_equal_tp_2_eager():
+    from ascend_plugin.demo import ensure_medusa_demo
+
+    base, _heads = ensure_medusa_demo()
+    env = {**NPU, "TORCH_NPU_REFERENCE_DEVICE_COUNT": "2"}
+    tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    eager = run(base, env, **tp)
+    result = run(base, env, **tp, **FULL_DECODE)
+    assert_on_npu(result, workers=2)
+    for worker in result["workers"]:
+        full = worker["graph_counts"]["FULL"]
+        assert full["graphs"] == CAPTURED_SIZES
+        assert full["replays"] >= MAX_TOKENS - 1  # every decode step, on both ranks
+    for worker in eager["workers"]:
+        assert worker["graph_counts"] == {}
+    assert_equal_up_to_near_ties(result, eager, "TP 2 FULL graphs vs TP 2 eager on npu")

@@ -392,6 +392,18 @@ def test_full_graphs_asked_for_give_full_decode_graphs_of_the_planned_sizes(npu,
     assert compilation.mode == CompilationMode.NONE
 
 
+def test_full_decode_graphs_with_tensor_parallel(npu):
+    # HCCL collectives are captured in the graph (npu_graph_capture stands in for vLLM's
+    # graph_capture, which takes CUDA/XPU communicators only).
+    compilation = _graph_request(npu, CUDAGraphMode.FULL, world_size=2)
+    assert compilation.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert compilation.cudagraph_capture_sizes == [1, 2, 4, 8]
+    # PIECEWISE needs one NPU: FULL_AND_PIECEWISE keeps its FULL decode graphs.
+    compilation = _graph_request(npu, CUDAGraphMode.FULL_AND_PIECEWISE, world_size=2)
+    assert compilation.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert compilation.mode == CompilationMode.NONE
+
+
 def test_graph_sizes_count_speculative_tokens_and_stop_at_one_kv_block(npu):
     # 3 tokens per request; 48 requests would be 144 tokens, more than a 128-token block.
     compilation = _graph_request(npu, CUDAGraphMode.FULL_DECODE_ONLY, max_num_seqs=48,
@@ -424,7 +436,6 @@ def test_piecewise_pieces_are_wrapped_by_vllms_graph_wrapper(npu):
 @pytest.mark.parametrize(("mode", "kwargs"), [
     (CUDAGraphMode.PIECEWISE, {"enforce_eager": True}),
     (CUDAGraphMode.FULL_DECODE_ONLY, {"enforce_eager": True}),
-    (CUDAGraphMode.FULL_DECODE_ONLY, {"world_size": 2}),
     (CUDAGraphMode.PIECEWISE, {"world_size": 2}),
 ])
 def test_everything_else_runs_eagerly(npu, mode, kwargs):

@@ -208,3 +208,47 @@ def test_a_custom_op_is_one_step_and_its_torch_npu_calls_are_not_recorded_again(
     graph.replay()
     expected = x + x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
     torch.testing.assert_close(static_x.cpu(), expected)
+
+
+_CAPTURED_ALL_REDUCE_WORKER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch, torch_npu
+import torch.distributed as dist
+rank = int(sys.argv[3])
+dist.init_process_group("hccl", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+n = 1 << 20  # large enough that gloo is still working when a step after it would start
+static_x = torch.zeros(n, device="npu")
+graph = torch.npu.NPUGraph()
+with torch.npu.graph(graph):
+    y = static_x * 2
+    dist.all_reduce(y)
+    z = y + 1
+sums = []
+for step in range(3):
+    static_x.copy_(torch.full((n,), float(10 * step + rank + 1)))
+    graph.replay()
+    sums.append(z.cpu().unique().tolist())
+dist.destroy_process_group()
+print(sums)
+"""
+
+
+def test_a_captured_all_reduce_completes_before_the_next_step_on_replay(torch_npu, tmp_path):
+    # An HCCL collective in a graph is a kernel of its stream: the step after it sees the
+    # reduced tensor. (gloo underneath works asynchronously; replay waits for it.)
+    import subprocess
+
+    script = tmp_path / "worker.py"
+    script.write_text(_CAPTURED_ALL_REDUCE_WORKER)
+    store = tmp_path / "store"
+    workers = [subprocess.Popen([sys.executable, str(script), REFERENCE_PATH, str(store),
+                                 str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for rank in range(2)]
+    outputs = [worker.communicate(timeout=120) for worker in workers]
+    for worker, (_out, err) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, err
+    # Step s: 2 * ((10 s + 1) + (10 s + 2)) + 1 everywhere, on both ranks.
+    expected = str([[2.0 * (20 * step + 3) + 1] for step in range(3)])
+    for out, _ in outputs:
+        assert out.strip().splitlines()[-1] == expected

@@ -141,6 +141,11 @@ class _Step:
 
     def run(self) -> None:
         fresh = self.function(*self.args, **self.kwargs)
+        for leaf in pytree.tree_leaves(fresh):
+            if isinstance(leaf, torch.ScriptObject) or type(leaf).__name__ == "Work":
+                # A collective (c10d op, gloo underneath) hands back its work: the next
+                # step runs after it, as kernels in one stream do.
+                leaf.wait()
         written = {t.untyped_storage().data_ptr()
                    for t in pytree.tree_leaves((self.args, self.kwargs))
                    if isinstance(t, torch.Tensor)}

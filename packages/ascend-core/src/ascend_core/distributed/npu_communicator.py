@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from vllm.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
+from vllm.distributed.parallel_state import GraphCaptureContext
 from vllm.logger import init_logger
 
 from ascend_core.distributed.moe_comm import (
@@ -210,3 +214,38 @@ class NPUCommunicator(DeviceCommunicatorBase):
         if not -input_.dim() <= dim < input_.dim():
             raise ValueError(f"{name}: dim={dim} is out of range for a tensor of shape "
                              f"{tuple(input_.shape)}.")
+
+
+# --- graph capture ---------------------------------------------------------------------------
+
+
+def _check_npu_group(group) -> None:
+    communicator = group.device_communicator
+    if communicator is not None and not isinstance(communicator, NPUCommunicator):
+        raise TypeError(
+            f"Group {group.unique_name!r} has a {type(communicator).__name__}; NPU graph "
+            "capture takes groups whose device communicator is NPUCommunicator "
+            "(AscendPlatform.get_device_communicator_cls)."
+        )
+
+
+@contextlib.contextmanager
+def npu_graph_capture(device: torch.device) -> Iterator[GraphCaptureContext]:
+    """vLLM's ``graph_capture(device)`` for the npu target, around a model runner's capture.
+
+    vLLM's own takes CUDA/XPU communicators only (their custom all-reduce buffers need a
+    capture mode). HCCL collectives are captured into an NPU graph as they are issued, so
+    the tensor, pipeline and data parallel groups' ``NPUCommunicator`` need nothing more:
+    this checks that each group has one, then captures on a side stream that first waits
+    for the work already issued, as vLLM does.
+    """
+    from vllm.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
+
+    for group in (get_tp_group(), get_pp_group(), get_dp_group()):
+        _check_npu_group(group)
+    stream = torch.npu.Stream(device=device)
+    current = torch.npu.current_stream()
+    if current != stream:
+        stream.wait_stream(current)
+    with torch.npu.stream(stream):
+        yield GraphCaptureContext(stream)

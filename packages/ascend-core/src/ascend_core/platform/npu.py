@@ -273,8 +273,12 @@ def _configure_graphs(vllm_config: VllmConfig) -> None:
       ``eager`` backend -- Dynamo's FX graph split at the attention ops, each piece run as
       traced (there is no Inductor backend for NPUs) and captured per size as a PIECEWISE
       graph; attention runs eagerly between the pieces. FULL_AND_PIECEWISE adds FULL
-      graphs for uniform decode batches;
+      graphs for uniform decode batches. One NPU only: with more, PIECEWISE runs eagerly
+      and FULL_AND_PIECEWISE keeps its FULL decode graphs;
     - anything else, or ``enforce_eager``: every batch eager.
+
+    FULL graphs take any tensor parallel size: the HCCL collectives are captured as graph
+    steps (the runner's ``npu_graph_capture`` stands in for vLLM's ``graph_capture``).
 
     Capture sizes are ``plan_decode_capture_sizes`` (requests times 1 + speculative
     tokens) up to one KV block of tokens.
@@ -290,11 +294,14 @@ def _configure_graphs(vllm_config: VllmConfig) -> None:
     wants_full = asked in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY)
     wants_piecewise = asked in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
     parallel = vllm_config.parallel_config
-    if (wants_full or wants_piecewise) and not enforce_eager and parallel.world_size > 1:
-        # vLLM's graph_capture() hands capture to CUDA/XPU communicators only.
-        logger.info("npu target: graphs run on one NPU only (world size %d); running "
-                    "eagerly.", parallel.world_size)
-        wants_full = wants_piecewise = False
+    if wants_piecewise and not enforce_eager and parallel.world_size > 1:
+        # Dynamo would trace into the collectives between the pieces (the npu platform
+        # keeps vLLM's direct collective calls); not offered yet.
+        wants_piecewise = False
+        wants_full = asked == CUDAGraphMode.FULL_AND_PIECEWISE
+        logger.info("npu target: PIECEWISE graphs run on one NPU only (world size %d); %s.",
+                    parallel.world_size, "FULL decode graphs only" if wants_full else
+                    "running eagerly")
     if (wants_full or wants_piecewise) and not enforce_eager:
         speculative = vllm_config.speculative_config
         spec_tokens = (speculative.num_speculative_tokens or 0) if speculative else 0

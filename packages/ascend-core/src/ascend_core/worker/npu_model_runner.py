@@ -18,12 +18,15 @@ platform has turned on FULL decode graphs (``CUDAGraphMode.FULL_DECODE_ONLY``, s
 ``CudagraphDispatcher`` picks the padded decode size, ``CUDAGraphWrapper`` around the model
 captures one graph per size and replays it -- with ``torch.cuda.CUDAGraph`` /
 ``torch.cuda.graph`` pointed at ``torch.npu.NPUGraph`` / ``torch.npu.graph`` by
-``npu_device_names``. The model itself stays eager (no torch.compile: there is no Inductor
-backend for NPUs, so PIECEWISE graphs, which need Dynamo's graph splitting, are not
-offered). What a captured step needs from the rest of the runner: KV slots that are valid for
-padding tokens too (``_get_slot_mappings``) and attention metadata whose host arguments live
-in buffers kept per batch size (``AscendAttentionMetadataBuilder``). ``graph_replays`` counts
-replays in this process.
+``npu_device_names``, and vLLM's ``graph_capture`` (CUDA/XPU communicators only) pointed at
+``npu_graph_capture`` (HCCL collectives are captured as steps, so tensor parallel works).
+For FULL decode graphs the model stays eager; for PIECEWISE / FULL_AND_PIECEWISE the
+platform turns on vLLM's compilation with the eager backend (no Inductor for NPUs): Dynamo's
+graph split at the attention ops, each piece wrapped by ``CUDAGraphWrapper`` and captured the
+same way. What a captured step needs from the rest of the runner: KV slots that are valid
+for padding tokens too (``_get_slot_mappings``) and attention metadata whose host arguments
+live in buffers kept per batch size (``AscendAttentionMetadataBuilder``). ``graph_replays``
+counts replays in this process, ``graph_counts`` wrappers, graphs and replays per mode.
 
 The speculative proposer and rejection sampler come from core's registries through the same
 hooks the host runner uses (``ascend_core.worker.speculative``); quantization and EPLB run
@@ -41,8 +44,10 @@ from typing import Any
 
 import torch
 import vllm.compilation.cuda_graph as cuda_graph_module
+import vllm.v1.worker.gpu_model_runner as gpu_model_runner_module
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from ascend_core.distributed.npu_communicator import npu_graph_capture
 from ascend_core.worker.speculative import (
     install_registered_proposer,
     install_registered_rejection_sampler,
@@ -69,6 +74,8 @@ def _npu_name_map() -> dict[tuple[Any, str], Any]:
     npu = torch.npu
     return {
         (cuda_graph_module, "weak_ref_tensors"): _strong_refs,
+        # vLLM's graph_capture() takes CUDA/XPU communicators only.
+        (gpu_model_runner_module, "graph_capture"): npu_graph_capture,
         (torch.cuda, "Stream"): npu.Stream,
         (torch.cuda, "Event"): npu.Event,
         (torch.cuda, "current_stream"): npu.current_stream,
