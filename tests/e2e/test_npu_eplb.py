@@ -1,7 +1,8 @@
 """EPLB on the npu target end to end: real vLLM, the npu platform and the reference torch_npu;
 a tiny Qwen3-MoE (8 experts, top-2, 2 MoE layers) served with dynamic EPLB and 2 redundant
 experts by ascend-eplb's runtime through the npu MoE method's ``serve_expert_slots`` hook,
-rearranged several times during one generation.
+rearranged several times during one generation (on one NPU from a start map, each replan
+recorded as an expert map).
 
 Each configuration runs this file as a script in its own process (vLLM resolves its
 platform once per process) and reports tokens, top-5 logprobs, which classes the workers
@@ -119,9 +120,22 @@ def npu_plain(qwen3_moe) -> dict:
 
 
 @pytest.fixture(scope="module")
-def npu_eplb(qwen3_moe) -> tuple[dict, str]:
-    return run(qwen3_moe, NPU, additional_config={"eplb_config": {**DYNAMIC,
-                                                                  "policy": "default"}})
+def map_files(tmp_path_factory) -> dict:
+    """A start map unlike the default placement, and where to record replans."""
+    from ascend_eplb.expert_map import save_expert_map
+
+    folder = tmp_path_factory.mktemp("npu_eplb_maps")
+    start = [[7, 6, 5, 4, 3, 2, 1, 0, 7, 7], [0, 1, 2, 3, 4, 5, 6, 7, 3, 3]]
+    save_expert_map(folder / "start.json", start, 1, num_experts=NUM_EXPERTS)
+    return {"start": str(folder / "start.json"), "record": str(folder / "record.json"),
+            "start_phy2log": start}
+
+
+@pytest.fixture(scope="module")
+def npu_eplb(qwen3_moe, map_files) -> tuple[dict, str]:
+    eplb = {**DYNAMIC, "policy": "default", "expert_map_path": map_files["start"],
+            "expert_map_record_path": map_files["record"]}
+    return run(qwen3_moe, NPU, additional_config={"eplb_config": eplb})
 
 
 def assert_rearranged_during_generation(summary: dict, phase: str = "all") -> None:
@@ -157,7 +171,8 @@ def test_npu_moe_without_eplb_has_no_runtime(npu_plain):
     assert len({tuple(ids) for ids in npu_plain["token_ids"]}) > 1
 
 
-def test_one_npu_rearranges_during_generation_and_keeps_greedy_tokens(npu_eplb, npu_plain):
+def test_one_npu_rearranges_during_generation_and_keeps_greedy_tokens(npu_eplb, npu_plain,
+                                                                       map_files):
     result, _ = npu_eplb
     assert_on_npu(result)
     (worker,) = result["workers"]
@@ -167,6 +182,7 @@ def test_one_npu_rearranges_during_generation_and_keeps_greedy_tokens(npu_eplb, 
     assert summary["num_layers"] == NUM_LAYERS
     assert_rearranged_during_generation(summary)
     assert summary["bytes_between_ranks"] == 0
+    assert summary["initial_phy2log"] == map_files["start_phy2log"]
     print(f"\nEPLB on one NPU: {summary['rearrangements']} rearrangements at steps "
           f"{[entry['step'] for entry in summary['history']]}, "
           f"{summary['experts_moved']} expert copies, {summary['bytes_moved']} bytes")
@@ -176,6 +192,16 @@ def test_one_npu_rearranges_during_generation_and_keeps_greedy_tokens(npu_eplb, 
 
 if __name__ == "__main__":
     main()
+
+
+def test_npu_replans_are_recorded_as_expert_maps(npu_eplb, map_files):
+    from ascend_eplb.expert_map import load_expert_map
+
+    result, _ = npu_eplb
+    summary = result["workers"][0]["eplb"]
+    recorded = load_expert_map(map_files["record"])
+    assert recorded.phy2log.tolist() == summary["phy2log"]
+    assert recorded.metadata["rearrangement"] == summary["rearrangements"]
 
 
 # --- two NPUs: tensor parallel 2 + expert parallel --------------------------------------------
