@@ -41,7 +41,7 @@ def run_vllm(args: dict, env: dict | None = None, timeout: float = 600) -> dict:
     proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), json.dumps(args)],
                           env=full_env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
+        if line.startswith("RESULT ") and proc.returncode == 0:
             return json.loads(line[len("RESULT "):])
     raise AssertionError(
         f"vLLM run failed (exit {proc.returncode}) for {args} with {env}:\n"

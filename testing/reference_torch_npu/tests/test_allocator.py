@@ -9,6 +9,8 @@ here is checked against the bytes of the tensors that hold it and against ``torc
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -119,3 +121,21 @@ def test_a_graph_over_released_memory_refuses_to_replay(torch_npu):
     static_input.fill_(5.0)
     graph.replay()
     assert torch.equal(static_output.cpu(), torch.full((4,), 10.0))
+
+
+
+def test_accelerator_empty_host_cache_reaches_the_pinned_allocator(torch_npu):
+    # vLLM's shutdown calls torch.accelerator.empty_host_cache(); with no host allocator
+    # registered for the npu device type torch dereferenced a null one (a segfault), so
+    # the call runs in a child process whose exit status is checked.
+    script = ("import torch, torch_npu\n"
+              "pinned = torch.empty(1024, pin_memory=True)\n"
+              "assert pinned.is_pinned()\n"
+              "torch.accelerator.empty_host_cache()\n"
+              "print('done')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [REFERENCE_PATH] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    child = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.strip() == "done"

@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/ops/_reshape_alias_native.h>
@@ -240,7 +241,9 @@ void free_pinned(void* data) {
   c10::free_cpu(data);
 }
 
-struct PinnedAllocator final : c10::Allocator {
+// torch's host allocator for the npu device type (torch.accelerator.empty_host_cache and the
+// host-memory stats reach it): it caches nothing, every block goes back to the system at once.
+struct PinnedAllocator final : at::HostAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
     void* data = c10::alloc_cpu(nbytes == 0 ? 1 : nbytes);
     {
@@ -255,6 +258,16 @@ struct PinnedAllocator final : c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
+  // The device works synchronously: a block is free for reuse as soon as it is released.
+  bool record_event(void*, void*, c10::Stream) override {
+    return true;
+  }
+  void empty_cache() override {}
+  at::HostStats get_stats() override {  // torch exposes host stats to Python for CUDA only
+    return {};
+  }
+  void reset_accumulated_stats() override {}
+  void reset_peak_stats() override {}
 };
 
 PinnedAllocator pinned_allocator;
@@ -838,6 +851,7 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 }
 
 REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &reference_npu::npu_allocator);
+REGISTER_HOST_ALLOCATOR(c10::DeviceType::PrivateUse1, &reference_npu::pinned_allocator);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   using namespace reference_npu;
