@@ -237,12 +237,17 @@ def qwen3_moe() -> Path:
     return ensure_model("qwen3_moe")
 
 
-def test_moe_model_on_npu_equals_the_host_target(qwen3_moe):
+@pytest.fixture(scope="module")
+def qwen3_moe_npu(qwen3_moe) -> dict:
+    return run(qwen3_moe, NPU)
+
+
+def test_moe_model_on_npu_equals_the_host_target(qwen3_moe, qwen3_moe_npu):
     """8 experts, top-2 renormalised: routing on npu_moe_gating_top_k_softmax, experts on
     npu_grouped_matmul + npu_swiglu. Expert sums are formed in another order than vLLM's
     CPU experts, so bfloat16 may flip a near-tie: compared up to near-ties."""
     host = run(qwen3_moe, HOST)
-    npu = run(qwen3_moe, NPU)
+    npu = qwen3_moe_npu
     assert_on_npu(npu)
     (worker,) = npu["workers"]
     assert "AscendUnquantizedFusedMoEMethod" in worker["layer_classes"]
@@ -270,3 +275,14 @@ def test_dense_llama_with_full_decode_graphs_keeps_greedy_tokens(llama_npu_graph
     (eager_worker,) = llama_npu["workers"]
     assert eager_worker["graph_replays"] == 0
     assert llama_npu_graphs["token_ids"] == llama_npu["token_ids"]
+
+
+def test_moe_model_with_full_decode_graphs_keeps_greedy_tokens(qwen3_moe, qwen3_moe_npu):
+    """Routing, the grouped matmuls and the weighted combine of every MoE layer replayed
+    from captured graphs: the group sizes are device tensors, so each replay routes the
+    step's own tokens."""
+    result = run(qwen3_moe, NPU, **GRAPHS)
+    assert_on_npu(result)
+    (worker,) = result["workers"]
+    assert worker["graph_replays"] >= 15
+    assert result["token_ids"] == qwen3_moe_npu["token_ids"]
