@@ -135,19 +135,42 @@ def test_full_decode_graphs_replay_medusa_steps_with_accepted_drafts():
 # --- tensor parallel 2 ------------------------------------------------------------------------
 
 
-def test_full_decode_graphs_with_tensor_parallel_2_equal_tp_2_eager():
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+TWO_NPUS = {**NPU, "TORCH_NPU_REFERENCE_DEVICE_COUNT": "2"}
+
+
+@pytest.fixture(scope="module")
+def medusa_base() -> str:
     from ascend_plugin.demo import ensure_medusa_demo
 
-    base, _heads = ensure_medusa_demo()
-    env = {**NPU, "TORCH_NPU_REFERENCE_DEVICE_COUNT": "2"}
-    tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-    eager = run(base, env, **tp)
-    result = run(base, env, **tp, **FULL_DECODE)
+    return ensure_medusa_demo()[0]
+
+
+@pytest.fixture(scope="module")
+def tp2_eager(medusa_base) -> dict:
+    result = run(medusa_base, TWO_NPUS, **TP2)
+    for worker in result["workers"]:
+        assert worker["graph_counts"] == {}
+    return result
+
+
+def test_full_decode_graphs_with_tensor_parallel_2_equal_tp_2_eager(medusa_base, tp2_eager):
+    result = run(medusa_base, TWO_NPUS, **TP2, **FULL_DECODE)
     assert_on_npu(result, workers=2)
     for worker in result["workers"]:
         full = worker["graph_counts"]["FULL"]
         assert full["graphs"] == CAPTURED_SIZES
         assert full["replays"] >= MAX_TOKENS - 1  # every decode step, on both ranks
-    for worker in eager["workers"]:
-        assert worker["graph_counts"] == {}
-    assert_equal_up_to_near_ties(result, eager, "TP 2 FULL graphs vs TP 2 eager on npu")
+    assert_equal_up_to_near_ties(result, tp2_eager, "TP 2 FULL graphs vs TP 2 eager on npu")
+
+
+def test_piecewise_graphs_with_tensor_parallel_2_equal_tp_2_eager(medusa_base, tp2_eager):
+    """vLLM's collectives are its torch.ops.vllm.* custom ops on the npu platform, so Dynamo
+    keeps them opaque and the pieces between the attention ops hold the all-reduces."""
+    result = run(medusa_base, TWO_NPUS, **TP2, **graphs("PIECEWISE", **SMALL_STEPS))
+    assert_on_npu(result, workers=2)
+    for worker in result["workers"]:
+        pieces = worker["graph_counts"]["PIECEWISE"]
+        assert pieces["graphs"] == pieces["wrappers"] * CAPTURED_SIZES
+        assert pieces["replays"] >= (MAX_TOKENS - 1) * pieces["wrappers"]
+    assert_equal_up_to_near_ties(result, tp2_eager, "TP 2 PIECEWISE vs TP 2 eager on npu")

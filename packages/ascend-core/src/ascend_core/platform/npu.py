@@ -111,6 +111,12 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         return True
 
     @classmethod
+    def use_custom_op_collectives(cls) -> bool:
+        # vLLM's collectives as its torch.ops.vllm.* custom ops: Dynamo keeps them opaque, so
+        # PIECEWISE graphs trace (and capture) models with tensor parallelism.
+        return True
+
+    @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         return torch.npu.get_device_name(device_id)
 
@@ -273,8 +279,8 @@ def _configure_graphs(vllm_config: VllmConfig) -> None:
       ``eager`` backend -- Dynamo's FX graph split at the attention ops, each piece run as
       traced (there is no Inductor backend for NPUs) and captured per size as a PIECEWISE
       graph; attention runs eagerly between the pieces. FULL_AND_PIECEWISE adds FULL
-      graphs for uniform decode batches. One NPU only: with more, PIECEWISE runs eagerly
-      and FULL_AND_PIECEWISE keeps its FULL decode graphs;
+      graphs for uniform decode batches. With tensor parallelism the collectives are
+      vLLM's opaque custom ops (``use_custom_op_collectives``), captured inside the pieces;
     - anything else, or ``enforce_eager``: every batch eager.
 
     FULL graphs take any tensor parallel size: the HCCL collectives are captured as graph
@@ -293,15 +299,6 @@ def _configure_graphs(vllm_config: VllmConfig) -> None:
     enforce_eager = model_config is None or model_config.enforce_eager
     wants_full = asked in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY)
     wants_piecewise = asked in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
-    parallel = vllm_config.parallel_config
-    if wants_piecewise and not enforce_eager and parallel.world_size > 1:
-        # Dynamo would trace into the collectives between the pieces (the npu platform
-        # keeps vLLM's direct collective calls); not offered yet.
-        wants_piecewise = False
-        wants_full = asked == CUDAGraphMode.FULL_AND_PIECEWISE
-        logger.info("npu target: PIECEWISE graphs run on one NPU only (world size %d); %s.",
-                    parallel.world_size, "FULL decode graphs only" if wants_full else
-                    "running eagerly")
     if (wants_full or wants_piecewise) and not enforce_eager:
         speculative = vllm_config.speculative_config
         spec_tokens = (speculative.num_speculative_tokens or 0) if speculative else 0
