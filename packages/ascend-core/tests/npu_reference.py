@@ -40,3 +40,13 @@ def reference_on_path(forget: Iterable[str] = ()) -> Iterator[None]:
             importlib.import_module("torch_npu._reference").uninstall()
         sys.path.remove(REFERENCE_PATH)
         torch_npu_module.cache_clear()
+
+
+@contextlib.contextmanager
+def reference_torch_npu(forget: Iterable[str] = ()) -> Iterator[object]:
+    """``reference_on_path``, yielding the reference torch_npu, checked to be the module that
+    ascend-kernels dispatches to."""
+    with reference_on_path(forget):
+        module = importlib.import_module("torch_npu")
+        assert torch_npu_module() is module
+        yield module

@@ -4,15 +4,12 @@ MoE written here (softmax, top-k, renormalisation, per-expert SwiGLU MLPs in flo
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from ascend_core.ops.moe import AscendUnquantizedFusedMoEMethod, fused_moe
-from ascend_kernels.dispatch import torch_npu_module
 
-from npu_reference import reference_on_path
+from npu_reference import reference_torch_npu
 
 NPU_OPS = ("npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_grouped_matmul",
            "npu_swiglu")
@@ -20,9 +17,7 @@ NPU_OPS = ("npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_grouped_
 
 @pytest.fixture(scope="module")
 def reference_npu():
-    with reference_on_path():
-        module = importlib.import_module("torch_npu")
-        assert torch_npu_module() is module
+    with reference_torch_npu() as module:
         yield module
 
 

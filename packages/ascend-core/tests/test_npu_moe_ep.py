@@ -6,7 +6,6 @@ test_moe_comm.py (``dispatch_replicated``) and end to end in tests/e2e/test_npu_
 
 from __future__ import annotations
 
-import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -28,16 +27,13 @@ from ascend_core.ops.moe_ep import (
     placement_from_vllm,
     uses_moe_comm,
 )
-from ascend_kernels.dispatch import torch_npu_module
 
-from npu_reference import reference_on_path
+from npu_reference import reference_torch_npu
 
 
 @pytest.fixture(scope="module")
 def reference_npu():
-    with reference_on_path():
-        module = importlib.import_module("torch_npu")
-        assert torch_npu_module() is module
+    with reference_torch_npu() as module:
         yield module
 
 

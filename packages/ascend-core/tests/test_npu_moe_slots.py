@@ -5,7 +5,6 @@ End to end (with EPLB's runtime and rearrangements) in tests/e2e/test_npu_eplb.p
 
 from __future__ import annotations
 
-import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -20,9 +19,8 @@ from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedM
 from ascend_core.distributed.moe_comm import ALL_GATHER, MoECommunication
 from ascend_core.ops.moe import AscendUnquantizedFusedMoEMethod, ExpertSlots, fused_moe
 from ascend_core.ops.moe_ep import AscendDispatchedExperts, AscendMoECommPrepareFinalize
-from ascend_kernels.dispatch import torch_npu_module
 
-from npu_reference import reference_on_path
+from npu_reference import reference_torch_npu
 
 EXPERTS, TOP_K = 8, 2
 # Two redundant slots: experts 2 and 5 twice; slot order unlike the logical one.
@@ -31,9 +29,7 @@ PHY2LOG = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0, 2, 5])
 
 @pytest.fixture(scope="module")
 def reference_npu():
-    with reference_on_path():
-        module = importlib.import_module("torch_npu")
-        assert torch_npu_module() is module
+    with reference_torch_npu() as module:
         yield module
 
 
