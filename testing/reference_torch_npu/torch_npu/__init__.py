@@ -33,11 +33,13 @@ may add modelled bytes through ``torch_npu._reference`` (``simulate_allocation``
 ``simulate_free``), which also has ``reset_state()`` and ``uninstall()``.
 
 Modelled: ``torch.npu`` device selection, properties, memory statistics, streams, events,
-seeding and graphs (``NPUGraph``, ``graph``; capture records, replay re-runs);
+seeding and graphs (``NPUGraph``, ``graph``; capture records, replay re-runs; task groups
+and their updates, ``ExternalEvent``);
 ``torch_npu.npu_rms_norm`` and ``torch_npu.npu_swiglu``; the norm, quant and
 rotary ops of ``_ops_norm_quant``, the routing ops of ``_ops_routing`` and the weight
 quantization and grouped-matmul ops of ``_ops_quant``; the paged KV-cache write and fused
-inference attention of ``_ops_attention``. Not modelled:
+inference attention of ``_ops_attention`` (with the attention's ``.out`` form and its
+graph workspace). Not modelled:
 profiling, formats (``npu_format_cast``), every other fused
 op; those names are absent, so their use fails. The exception is a name that libraries
 import eagerly when torch_npu is importable (transformers imports ``npu_fusion_attention``):
@@ -61,6 +63,11 @@ from torch_npu._unmodelled import npu_fusion_attention
 npu_rms_norm = _on_device(_ops.npu_rms_norm)
 npu_swiglu = _on_device(_ops.npu_swiglu)
 npu_fused_infer_attention_score = _on_device(_ops_attention.npu_fused_infer_attention_score)
+# The out form a graph task group captures, and its workspace (an allocation, not a task).
+npu_fused_infer_attention_score.out = _on_device(
+    _ops_attention.npu_fused_infer_attention_score_out, "npu_fused_infer_attention_score.out")
+_npu_fused_infer_attention_score_get_max_workspace = (
+    _ops_attention.npu_fused_infer_attention_score_get_max_workspace)
 npu_scatter_pa_kv_cache = _on_device(_ops_attention.npu_scatter_pa_kv_cache)
 npu_add_rms_norm = _on_device(_ops_norm_quant.npu_add_rms_norm)
 npu_add_rms_norm_dynamic_quant = _on_device(_ops_norm_quant.npu_add_rms_norm_dynamic_quant)

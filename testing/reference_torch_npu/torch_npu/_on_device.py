@@ -11,6 +11,8 @@ device mismatch a real NPU op raises (0-dim CPU tensors pass, as CPU scalars do 
 
 While an ``NPUGraph`` is capturing, a call with npu tensors is one captured step, run again
 on replay, as a real torch_npu op is one kernel launch in the graph (``torch_npu.npu.graphs``).
+Inside a graph task update (``torch_npu.npu.task_groups``) such a call is not run: it gives
+new arguments to the captured task it re-issues.
 """
 
 from __future__ import annotations
@@ -83,14 +85,18 @@ def call_on_host(function, name: str, args, kwargs):
     return pytree.tree_map(lambda r: _back_on(r, device, npu_by_host, npu_by_data), result)
 
 
-def on_device(function):
-    """Wrap a reference torch_npu function so that it takes and returns npu tensors."""
-    name = function.__name__
+def on_device(function, name: str | None = None):
+    """Wrap a reference torch_npu function so that it takes and returns npu tensors
+    (``name``: the torch_npu name, by default the function's)."""
+    name = name or function.__name__
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        from torch_npu.npu import graphs
+        from torch_npu.npu import graphs, task_groups
 
+        if task_groups._pending_update() is not None and graphs._touches_npu((args, kwargs)):
+            # Inside graph_task_update_begin/_end a call re-issues a captured task.
+            return task_groups._issue_in_update(name, args, kwargs)
         capture = graphs._capturing_graph()
         if capture is not None and graphs._touches_npu((args, kwargs)):
             return capture._record_call(

@@ -25,6 +25,7 @@ Modelled forms:
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -609,3 +610,93 @@ def _mla_page_attention(given: dict):
         probs = torch.softmax(scores, dim=-1)
         out[b, :q_len] = torch.einsum("nqk,kd->qnd", probs, values)
     return out.to(query.dtype).reshape(query.shape), torch.zeros(1, dtype=torch.float32)
+
+
+# --- npu_fused_infer_attention_score.out and its graph workspace --------------------------
+
+# The reference's workspace model: float32 scratch for every output row (B * Q_S * N rows of
+# D values) plus each row's running maximum and sum, rounded up to 32 bytes. It depends on
+# the shapes only, never on the actual lengths, so one workspace serves every update of a
+# captured call.
+_WORKSPACE_ALIGN = 32
+_WORKSPACE_ROW_EXTRA = 2
+
+
+def fused_attention_workspace_bytes(query, num_heads) -> int:
+    """Bytes of the workspace the reference's out form needs for ``query`` and
+    ``num_heads`` (``[B, Q_S, N, D]`` / ``[B, Q_S, N * D]``)."""
+    if not isinstance(query, torch.Tensor):
+        raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}.")
+    heads = _require_int("num_heads", num_heads)
+    if heads < 1 or query.dim() not in (3, 4):
+        raise ValueError(f"query of shape {tuple(query.shape)} with num_heads={heads}: "
+                         "expected a BSND or BSH query and num_heads >= 1.")
+    rows = query.shape[0] * query.shape[1] * heads
+    head_dim = query.numel() // max(rows, 1)
+    raw = 4 * rows * (head_dim + _WORKSPACE_ROW_EXTRA)
+    return -(-raw // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+
+
+def npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwargs):
+    """``torch_npu._npu_fused_infer_attention_score_get_max_workspace(query, key, value,
+    **same keyword arguments as the op)`` -> a workspace tensor for the op's ``.out`` form.
+
+    torch_npu documents it by its use (the graph task update pages: the workspace of a
+    captured ``.out`` call, valid for every later update of its lengths). The reference
+    returns uninitialised uint8 memory on the query's device, of
+    ``fused_attention_workspace_bytes`` bytes (independent of the actual lengths); the
+    arguments are checked when the ``.out`` form runs.
+    """
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+    unknown = set(kwargs) - _FIA_KEYWORDS
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)} for "
+                        "npu_fused_infer_attention_score.")
+    size = fused_attention_workspace_bytes(query, kwargs.get("num_heads", 1))
+    return torch.empty(size, dtype=torch.uint8, device=query.device)
+
+
+def npu_fused_infer_attention_score_out(query, key, value, *, workspace, out, **kwargs):
+    """``torch_npu.npu_fused_infer_attention_score.out(query, key, value, *, workspace, out=
+    [attention_out, softmax_lse], **the op's keyword arguments)``: the op writing into
+    ``out`` with a caller-given ``workspace``, the form captured in graph task groups.
+
+    ``workspace``: a uint8 tensor of at least ``fused_attention_workspace_bytes`` bytes
+    (what ``_npu_fused_infer_attention_score_get_max_workspace`` returns); ``out[0]`` of the
+    attention output's shape and dtype, ``out[1]`` of the softmax log-sum-exp's shape
+    (``(1,)`` when ``softmax_lse_flag`` is False, any floating dtype). Returns ``out``.
+    """
+    unknown = set(kwargs) - _FIA_KEYWORDS
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)} for "
+                        "npu_fused_infer_attention_score.out.")
+    _require_tensor("workspace", workspace)
+    needed = fused_attention_workspace_bytes(query, kwargs.get("num_heads", 1))
+    if workspace.dtype != torch.uint8 or workspace.numel() < needed:
+        raise ValueError(f"workspace is {workspace.dtype} of {workspace.numel()} elements; "
+                         f"the call needs uint8 of at least {needed} bytes (use "
+                         "_npu_fused_infer_attention_score_get_max_workspace).")
+    if not isinstance(out, (list, tuple)) or len(out) != 2:
+        raise TypeError(f"out must be [attention_out, softmax_lse], got {out!r}.")
+    attention_out, softmax_lse = npu_fused_infer_attention_score(query, key, value, **kwargs)
+    for index, (name, given, result) in enumerate((("attention_out", out[0], attention_out),
+                                                   ("softmax_lse", out[1], softmax_lse))):
+        _require_tensor(f"out[{index}]", given)
+        if given.shape != result.shape:
+            raise ValueError(f"out[{index}] ({name}) has shape {tuple(given.shape)}; the call "
+                             f"produces {tuple(result.shape)}.")
+        if index == 0 and given.dtype != result.dtype:
+            raise TypeError(f"out[0] (attention_out) is {given.dtype}; the call produces "
+                            f"{result.dtype}.")
+        if index == 1 and not given.dtype.is_floating_point:
+            raise TypeError(f"out[1] (softmax_lse) is {given.dtype}; expected a floating "
+                            "dtype.")
+        given.copy_(result)
+    return out
+
+
+_FIA_KEYWORDS = {name for name, parameter
+                 in inspect.signature(npu_fused_infer_attention_score).parameters.items()
+                 if parameter.kind is parameter.KEYWORD_ONLY}

@@ -2,7 +2,8 @@
 
 Importing ``torch_npu`` registers this module as ``torch.npu``, as torch_npu does. What is
 modelled: device selection (``_device``), memory accounting (``memory``), streams and events
-(``streams``), seeding (``random``) and graphs (``graphs``). Anything else is absent, so
+(``streams``), seeding (``random``), graphs (``graphs``) and their task groups and
+updates (``task_groups``). Anything else is absent, so
 using it fails with
 ``AttributeError`` instead of pretending.
 """
@@ -47,6 +48,13 @@ from torch_npu.npu.streams import (
     set_stream,
     stream,
 )
+from torch_npu.npu.task_groups import (
+    ExternalEvent,
+    graph_task_group_begin,
+    graph_task_group_end,
+    graph_task_update_begin,
+    graph_task_update_end,
+)
 
 
 def _is_in_bad_fork() -> bool:
@@ -56,6 +64,7 @@ def _is_in_bad_fork() -> bool:
 
 __all__ = [
     "Event",
+    "ExternalEvent",
     "NPUGraph",
     "Stream",
     "StreamContext",
@@ -70,6 +79,10 @@ __all__ = [
     "get_device_properties",
     "graph",
     "graph_pool_handle",
+    "graph_task_group_begin",
+    "graph_task_group_end",
+    "graph_task_update_begin",
+    "graph_task_update_end",
     "init",
     "initial_seed",
     "is_available",

@@ -206,6 +206,11 @@ class NPUGraph:
         self._captured = False
         self._pool = None
         self._addresses: list[tuple[torch.Tensor, int]] = []
+        # Task groups (torch_npu.npu.task_groups): the open one while capturing, the closed
+        # ones, and how many updates were applied to them.
+        self._open_task_group = None
+        self._task_groups: list = []
+        self._task_group_updates = 0
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
         """Start recording the work issued on this thread to the NPU."""
@@ -229,6 +234,11 @@ class NPUGraph:
         """Stop recording; the graph can then be replayed."""
         if _capture.graph is not self:
             raise RuntimeError("capture_end() without a matching capture_begin().")
+        if self._open_task_group is not None:
+            self._abort()
+            raise RuntimeError("capture_end() with a task group still open; call "
+                               "torch.npu.graph_task_group_end before the capture ends. The "
+                               "capture was dropped.")
         self._stop()
         self._captured = True
         self._addresses = _device_addresses(self._steps)
@@ -242,6 +252,9 @@ class NPUGraph:
         if _capture.graph is self:
             self._stop()
         self._steps.clear()
+        self._open_task_group = None
+        self._task_groups.clear()
+        self._task_group_updates = 0
 
     def _record_call(self, function, name: str, args, kwargs):
         with _disable_current_modes():
@@ -256,6 +269,9 @@ class NPUGraph:
                                "capture_end, or torch.npu.graph).")
         if _capture.graph is not None:
             raise RuntimeError("Cannot replay an NPU graph while capturing another.")
+        from torch_npu.npu import task_groups
+
+        task_groups._refuse_replay_in_update()
         _check_addresses(self._addresses)
         with torch.inference_mode():
             for step in self._steps:
@@ -275,6 +291,16 @@ class NPUGraph:
     def num_steps(self) -> int:
         """Reference only: how many NPU steps the capture recorded."""
         return len(self._steps)
+
+    @property
+    def num_task_groups(self) -> int:
+        """Reference only: task groups captured (``graph_task_group_begin`` / ``_end``)."""
+        return len(self._task_groups)
+
+    @property
+    def task_group_updates(self) -> int:
+        """Reference only: updates applied to this graph's task groups so far."""
+        return self._task_group_updates
 
     def step_names(self) -> list[str]:
         """Reference only: the recorded steps, in order (aten ops and torch_npu functions)."""
