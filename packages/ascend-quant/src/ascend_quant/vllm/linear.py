@@ -19,6 +19,7 @@ from vllm.model_executor.layers.linear import (
     register_weight_loader_v2_supported_method,
 )
 
+from ascend_quant import traced_ops
 from ascend_quant.schemes.base import Kind, LayerShapes, LinearScheme, ParamSpec, Placement
 from ascend_quant.vllm.params import QKV_SHARDS, LoadLedger, make_parameter
 
@@ -140,7 +141,15 @@ class AscendQuantLinearMethod(LinearMethodBase):
         runtime = self.scheme.process(loaded, layer.ascend_quant_shapes, placement_of(layer))
         install_runtime(layer, list(ledger.specs), runtime)
         del layer.ascend_quant_ledger
+        layer.ascend_quant_traced = traced_ops.register_layer(
+            layer.prefix, self.scheme, layer.ascend_quant_runtime,
+            layer.ascend_quant_shapes.out_features)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling() and x.device.type == "npu":
+            # vLLM's compilation on the npu target: the npu form as one opaque node.
+            weights = [getattr(layer, RUNTIME_PREFIX + name) for name in
+                       layer.ascend_quant_runtime]
+            return traced_ops.linear(x, weights, bias, layer.ascend_quant_traced)
         return self.scheme.apply(runtime_weights(layer), x, bias)
