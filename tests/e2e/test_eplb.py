@@ -9,12 +9,11 @@ platform once per process) and reports tokens and the workers' EPLB counters.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from vllm_runs import PROMPTS, vllm_environment
+from vllm_runs import PROMPTS, run_script
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
 MAX_TOKENS = 32
@@ -50,15 +49,8 @@ def main() -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run(model: str, llm: dict, env: dict | None = None, timeout: float = 600):
-    proc = subprocess.run([sys.executable, __file__, json.dumps({"model": model, "llm": llm})],
-                          env=vllm_environment({**HOST, **(env or {})}), capture_output=True,
-                          text=True, timeout=timeout)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):]), proc.stdout + proc.stderr
-    raise AssertionError(f"vLLM run failed (exit {proc.returncode}) for {llm}:\n"
-                         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+def run(model: str, llm: dict, env: dict | None = None) -> tuple[dict, str]:
+    return run_script(__file__, {"model": model, "llm": llm}, {**HOST, **(env or {})})
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,13 @@ What is compared with the npu target without EPLB, greedy, bfloat16: every token
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 from test_npu_target import LLM, NPU, TOP_LOGPROBS, assert_on_npu
 
-from vllm_runs import PROMPTS, vllm_environment
+from vllm_runs import PROMPTS, run_script
+from vllm_runs import start_failure as engine_start_failure
 
 MAX_TOKENS = 32
 NUM_EXPERTS = 8
@@ -85,25 +85,13 @@ def main() -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run(model, env: dict, timeout: float = 900, **llm) -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, __file__, json.dumps({"model": str(model),
-                                                                 "llm": llm})],
-                          env=vllm_environment(env), capture_output=True, text=True,
-                          timeout=timeout)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):]), proc.stdout + proc.stderr
-    raise AssertionError(f"vLLM run failed (exit {proc.returncode}) for {llm}:\n"
-                         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+def run(model, env: dict, **llm) -> tuple[dict, str]:
+    return run_script(__file__, {"model": str(model), "llm": llm}, env, timeout=900)
 
 
-def start_failure(model, env: dict, timeout: float = 600, **llm) -> str:
-    proc = subprocess.run([sys.executable, __file__, json.dumps({"model": str(model),
-                                                                 "llm": llm})],
-                          env=vllm_environment(env), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode != 0, f"expected a start-up failure, got:\n{proc.stdout[-2000:]}"
-    return proc.stdout + proc.stderr
+def start_failure(model, env: dict, **llm) -> str:
+    return engine_start_failure({"model": str(model), "llm": llm}, env, timeout=600,
+                                script=__file__)
 
 
 @pytest.fixture(scope="module")

