@@ -62,6 +62,7 @@ def decode_metadata(query_lens, seq_lens, block_table) -> AscendMLADecodeMetadat
     builder = AscendMLAMetadataBuilder.__new__(AscendMLAMetadataBuilder)
     builder.device = torch.device("cpu")
     builder._causal_mask = None
+    builder._full_graphs, builder._decode_query_len = False, 1  # eager, no speculation
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     return builder._build_decode(
         block_table_tensor=block_table, seq_lens_device=torch.tensor(seq_lens),

@@ -14,6 +14,11 @@ verification (several query tokens per request on top of its cache), in any mix:
   first ``kv - q + i + 1`` keys. With one query token per request (decode) the op takes
   its incremental branch, where the page makes the mask and ``sparse_mode`` ineffective.
 
+Under FULL decode graphs a uniform batch (decode, or speculative verification with 1 + k
+tokens per request) is captured with the same op: its ``.out`` form in a graph task group,
+whose host sequence lengths are updated before every replay
+(``ascend_core.attention.npu_graph_tasks``).
+
 The TND layout would avoid padding ragged queries, but torch_npu's page restricts TND to
 MLA head shapes (D 192, or 512/128 with rope), so ragged batches are padded to BSND here
 and uniform ones (decode, speculative verification) are only viewed.
@@ -140,9 +145,9 @@ class AscendAttentionMetadata:
     padded_rows: torch.Tensor | None
     attn_mask: torch.Tensor | None  # compressed causal mask; None when max_query_len == 1
     sparse_mode: int
-    # Uniform decode batch under FULL decode graphs: the sequence lengths on the device
-    # (vLLM's buffer), read by the graph-capturable attention instead of ``seq_lens``.
-    graph_seq_lens: torch.Tensor | None = None
+    # A uniform decode batch under FULL decode graphs: the kind a graph captures (its
+    # fused op in a task group, the lengths updated before each replay).
+    graph_decode: bool = False
 
 
 class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
@@ -150,12 +155,12 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
     verification with the same query length in every request).
 
     A captured graph keeps the Python values its ops were called with, and the fused op's
-    ``actual_seq_lengths_kv`` is such a host list that changes every step. Under FULL decode
-    graphs a uniform decode batch therefore gets ``graph_seq_lens``, vLLM's device buffer of
-    sequence lengths, and the attention runs as device ops that read it
-    (``graph_decode_attention``); every other batch keeps the fused op. (torch_npu's graph
-    task update, which re-issues a captured fused op with new host arguments before replay,
-    would keep the fused op in graphs; the reference torch_npu does not model it.)
+    ``actual_seq_lengths_kv`` is such a host list that changes every step: a captured
+    uniform batch (``graph_decode``) issues the op in a graph task group, and before each
+    replay the group gets this step's ``query_lens`` and ``seq_lens`` from the metadata
+    built here (``npu_graph_tasks``). Padding requests of a captured size (sequence length
+    0 in vLLM's buffers) get their query length as sequence length, reading vLLM's null
+    block through their zero block-table rows.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
@@ -236,7 +241,7 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
             padded_rows=padded_rows,
             attn_mask=None if incremental else self._compressed_causal_mask(),
             sparse_mode=SPARSE_MODE_NO_MASK if incremental else SPARSE_MODE_RIGHT_DOWN_CAUSAL,
-            graph_seq_lens=meta.seq_lens[:num_reqs] if graph_decode else None,
+            graph_decode=graph_decode,
         )
 
 
@@ -391,28 +396,20 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         block_size = key_cache.shape[1]
         batch, q_s = meta.num_reqs, meta.max_query_len
         bsnd = (batch, q_s, self.num_heads, self.head_size)
-        if meta.graph_seq_lens is None and torch.npu.is_current_stream_capturing():
+        capturing = torch.npu.is_current_stream_capturing()
+        if capturing and not meta.graph_decode:
             raise RuntimeError(
                 "An NPU graph is capturing a batch whose attention metadata is not the "
                 f"graph kind (num_reqs={meta.num_reqs}, query_lens={meta.query_lens}): the "
                 "fused op's host sequence lengths would stay frozen in the graph. Only "
                 "uniform decode batches under FULL decode graphs can be captured.")
-        if meta.graph_seq_lens is not None:
-            bsnd_out = graph_decode_attention(
-                query[:tokens].contiguous().view(bsnd), key_cache, value_cache,
-                meta.block_table, meta.graph_seq_lens, self.num_kv_heads, self.scale)
-            output[:tokens].view(bsnd_out.shape).copy_(bsnd_out)
-            return output
         if meta.padded_rows is None:
             bsnd_query = query[:tokens].contiguous().view(bsnd)
         else:
             padded = query.new_zeros(batch * q_s, self.num_heads, self.head_size)
             padded[meta.padded_rows] = query[:tokens]
             bsnd_query = padded.view(bsnd)
-        attn_out, _ = torch_npu.npu_fused_infer_attention_score(
-            bsnd_query,
-            key_cache,
-            value_cache,
+        kwargs = dict(
             atten_mask=meta.attn_mask,
             actual_seq_lengths=meta.query_lens,
             actual_seq_lengths_kv=meta.seq_lens,
@@ -424,52 +421,42 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             input_layout="BSND",
             sparse_mode=meta.sparse_mode,
         )
+        if capturing:
+            self._capture_uniform_batch(layer, bsnd_query, key_cache, value_cache, kwargs,
+                                        output[:tokens], meta)
+            return output
+        attn_out, _ = torch_npu.npu_fused_infer_attention_score(
+            bsnd_query, key_cache, value_cache, **kwargs)
         flat = attn_out.view(batch * q_s, self.num_heads, self.head_size)
         output[:tokens] = flat if meta.padded_rows is None else flat[meta.padded_rows]
         return output
 
+    def _capture_uniform_batch(self, layer, bsnd_query, key_cache, value_cache, kwargs,
+                               output, meta: AscendAttentionMetadata) -> None:
+        """The fused op's ``.out`` form in a graph task group, writing straight into
+        vLLM's output buffer where it can; its lengths follow each replayed step."""
+        from ascend_core.attention.npu_graph_tasks import capture_fused_attention
 
-def graph_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor, block_table: torch.Tensor,
-                           seq_lens: torch.Tensor, num_kv_heads: int,
-                           scale: float) -> torch.Tensor:
-    """Paged attention of a uniform batch from device tensors only, so an NPU graph can
-    hold it and replay it for new sequence lengths and block tables.
+        shape = bsnd_query.shape
+        direct = output.is_contiguous() and output.dtype == bsnd_query.dtype
+        attn_out = output.view(shape) if direct else bsnd_query.new_empty(shape)
+        lse = torch.empty(1, dtype=torch.float32, device=bsnd_query.device)
 
-    ``query`` ``[B, Q, N, D]`` (each request's ``Q`` newest tokens), the caches ``(blocks,
-    block_size, num_kv_heads * D)``, ``block_table`` ``[B, max_blocks]``, ``seq_lens``
-    ``[B]`` (cached plus new tokens; 0 for padding requests, which then see their first
-    ``Q`` keys). Query ``i`` of a request of length ``L`` sees keys ``j <= L - Q + i``, as
-    the fused op's right-down causal mode. Returns ``[B, Q, num_kv_heads, N / num_kv_heads,
-    D]`` (query heads grouped by KV head, i.e. ``[B, Q, N, D]`` once viewed) in float32;
-    the caller copies it into its output, which casts. No casts (``.to``, ``.float()``) nor
-    reshapes that copy inside: the reference torch_npu's graphs do not record them under
-    inference mode, where vLLM runs the model, so type promotion and views do that work.
-    Every request reads its whole block-table row, so the work grows with the table's
-    width, not with its length: the price of having no host lengths.
-    """
-    batch, q_len, num_heads, head_size = query.shape
-    _, block_size, _ = key_cache.shape
-    device = query.device
-    width = block_table.shape[1] * block_size
-    shape = (batch, width, num_kv_heads, head_size)
-    # float32 arithmetic through type promotion (a [1] float32 factor) rather than casts.
-    one = torch.ones(1, dtype=torch.float32, device=device)
-    keys = key_cache[block_table].reshape(shape) * one
-    values = value_cache[block_table].reshape(shape) * one
-    positions = torch.arange(width, device=device)
-    # Padding requests (length 0) see their first q_len keys, so no row is empty.
-    lengths = torch.clamp(seq_lens, min=q_len)
-    in_sequence = positions[None, :] < lengths[:, None]  # [B, W]
-    # Slots past a sequence may hold anything (never written): zero them before the sums.
-    keys = keys.masked_fill(~in_sequence[:, :, None, None], 0.0)
-    values = values.masked_fill(~in_sequence[:, :, None, None], 0.0)
-    # Query heads grouped by their KV head: [B, Q, KV heads, group, D] (a view).
-    grouped = query.view(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_size)
-    scores = torch.einsum("bqhgd,bwhd->bhgqw", grouped * one, keys) * scale
-    offsets = torch.arange(q_len, device=device)
-    visible = lengths[:, None] - q_len + offsets[None, :] + 1  # [B, Q] keys each query sees
-    allowed = positions[None, None, :] < visible[:, :, None]  # [B, Q, W]
-    scores = scores.masked_fill(~allowed[:, None, None, :, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhgqw,bwhd->bqhgd", probs, values)
+        def host_arguments(step: AscendAttentionMetadata) -> dict:
+            # The graph reads the block table captured: vLLM's buffer, refilled each step.
+            if (step.num_reqs, step.max_query_len, step.graph_decode,
+                    step.block_table.data_ptr()) != (
+                    meta.num_reqs, meta.max_query_len, True, meta.block_table.data_ptr()):
+                raise ValueError(
+                    f"A graph captured for {meta.num_reqs} requests of {meta.max_query_len} "
+                    f"tokens is replayed for metadata of {step.num_reqs} requests of "
+                    f"{step.max_query_len} (graph_decode={step.graph_decode}); vLLM's "
+                    "dispatcher should have picked another graph or run eagerly.")
+            return {"actual_seq_lengths": step.query_lens,
+                    "actual_seq_lengths_kv": step.seq_lens}
+
+        capture_fused_attention(getattr(layer, "layer_name", None),
+                                (bsnd_query, key_cache, value_cache), kwargs,
+                                [attn_out, lse], host_arguments)
+        if not direct:
+            output.copy_(attn_out.view(output.shape))

@@ -13,6 +13,11 @@ Built on vLLM's MLA scaffolding (``MLACommonBackend``, ``MLACommonMetadataBuilde
   both the paged latent cache, ``key_rope`` the paged rope cache, ``num_key_value_heads=1``,
   page attention through vLLM's block table.
 
+Under FULL decode graphs a uniform batch (decode, or MTP / speculative verification with
+1 + k tokens per request) is captured with the same op: its ``.out`` form in a graph task
+group, whose host lengths are updated before every replay (``npu_graph_tasks``); padding
+tokens of a captured batch write their latent rows into vLLM's null block.
+
 One path for every batch. torch_npu's page takes 1 to 16 query tokens per batch row in the
 MLA form, so the metadata builder cuts each request's new tokens into pieces of at most 16
 and gives every piece its own row of the ``BSND`` query: the request's block-table row, its
@@ -59,6 +64,16 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, Attent
 from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
 
 from ascend_core.attention import ASCEND_MLA_NAME
+
+
+def _full_graphs_configured() -> bool:
+    """Whether the vLLM config being built runs FULL (decode) graphs."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    mode = config.compilation_config.cudagraph_mode if config is not None else None
+    return mode is not None and mode.has_full_cudagraphs()
+
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -143,6 +158,8 @@ class AscendMLADecodeMetadata(MLACommonDecodeMetadata):
     token_rows: torch.Tensor | None
     attn_mask: torch.Tensor | None
     sparse_mode: int
+    # A uniform decode batch under FULL decode graphs: the kind a graph captures.
+    graph_decode: bool = False
 
 
 def plan_rows(query_lens: list[int], seq_lens: list[int],
@@ -175,10 +192,15 @@ def plan_rows(query_lens: list[int], seq_lens: list[int],
 
 
 class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
-    """vLLM's MLA metadata with every request on the decode (latent) side; graphs: none
-    (the fused op takes host sequence lengths, which a captured graph would freeze)."""
+    """vLLM's MLA metadata with every request on the decode (latent) side; graph support:
+    uniform batches (decode, and MTP / speculative verification with the same query length
+    in every request). A captured batch issues the fused op in a graph task group whose
+    host lengths (``row_query_lens``, ``row_kv_lens``) are updated before each replay from
+    the metadata built here; padding requests of a captured size (sequence length 0 in
+    vLLM's buffers) get their query length, reading the null block through zero table rows.
+    """
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
     reorder_batch_threshold: int = UNBOUNDED_DECODE_THRESHOLD
 
@@ -192,6 +214,11 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         check_mla_shape(self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim)
         self._causal_mask: torch.Tensor | None = None
+        mode = vllm_config.compilation_config.cudagraph_mode
+        self._full_graphs = mode is not None and mode.has_full_cudagraphs()
+        speculative = vllm_config.speculative_config
+        self._decode_query_len = 1 + ((speculative.num_speculative_tokens or 0)
+                                      if speculative is not None else 0)
 
     def _compressed_causal_mask(self) -> torch.Tensor:
         if self._causal_mask is None:
@@ -228,6 +255,13 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
         # The op takes host lists (SymInt[]).
         seq_lens = seq_lens_device.to("cpu").tolist()
+        graph_decode = (self._full_graphs and bool(query_lens)
+                        and set(query_lens) == {self._decode_query_len}
+                        and self._decode_query_len <= MAX_TOKENS_PER_ROW
+                        and block_table_tensor.dtype == torch.int32
+                        and block_table_tensor.is_contiguous())
+        if graph_decode:  # padding requests of a captured size have sequence length 0
+            seq_lens = [kv or q_len for q_len, kv in zip(query_lens, seq_lens, strict=True)]
         row_request, row_q, row_kv, row_len, token_rows = plan_rows(query_lens, seq_lens)
         plain = len(row_q) * row_len == len(token_rows)  # every row full: rows are tokens
         request_index = torch.tensor(row_request, dtype=torch.long)
@@ -241,12 +275,16 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             row_len=row_len,
             row_query_lens=row_q,
             row_kv_lens=row_kv,
-            row_block_table=block_table_tensor[request_index.to(block_table_tensor.device)]
+            # A captured batch (one row per request) reads vLLM's block-table buffer itself,
+            # so each replay sees the step's table; other batches gather rows per piece.
+            row_block_table=block_table_tensor if graph_decode and plain
+            else block_table_tensor[request_index.to(block_table_tensor.device)]
             .to(torch.int32).contiguous(),
             token_rows=None if plain else torch.tensor(token_rows, dtype=torch.long)
             .to(self.device),
             attn_mask=None if incremental else self._compressed_causal_mask(),
             sparse_mode=SPARSE_MODE_NO_MASK if incremental else SPARSE_MODE_RIGHT_DOWN_CAUSAL,
+            graph_decode=graph_decode,
         )
 
 
@@ -316,6 +354,8 @@ class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
         # No fp8 query: the fused op's MLA form takes float16/bfloat16.
         self.supports_quant_query_input = False
         self._use_flashinfer_concat_mla_k = False
+        # Under FULL decode graphs the slot mapping is vLLM's padded one, -1 for padding.
+        self.pad_slots_to_null_block = _full_graphs_configured()
 
     def split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's pages as the latent plane ``(num_blocks, block_size, 512)`` and the
@@ -345,9 +385,17 @@ class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
         tokens = slot_mapping.shape[0]
         latent = kv_c_normed[:tokens].reshape(tokens, 1, self.kv_lora_rank)
         rope = k_pe[:tokens].reshape(tokens, 1, self.qk_rope_head_dim)
-        valid = slot_mapping >= 0
-        if not bool(valid.all()):  # padding tokens (slot -1) write nothing
-            latent, rope, slot_mapping = latent[valid], rope[valid], slot_mapping[valid]
+        if self.pad_slots_to_null_block:
+            # As AscendAttentionImpl.do_kv_cache_update: padding token i (slot -1) writes
+            # slot i of vLLM's null block, which no request reads; no host sync, so a graph
+            # can hold it (the platform caps captured sizes at one block of tokens).
+            pad_slots = torch.arange(tokens, dtype=slot_mapping.dtype,
+                                     device=slot_mapping.device)
+            slot_mapping = torch.where(slot_mapping < 0, pad_slots, slot_mapping)
+        else:
+            valid = slot_mapping >= 0
+            if not bool(valid.all()):  # padding tokens (slot -1) write nothing
+                latent, rope, slot_mapping = latent[valid], rope[valid], slot_mapping[valid]
         torch_npu.npu_scatter_pa_kv_cache(
             latent.to(latent_cache.dtype).contiguous(),
             rope.to(rope_cache.dtype).contiguous(),
@@ -396,10 +444,15 @@ class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 full[meta.token_rows, :heads] = part
             return full.view(rows, row_len, padded, width)
 
-        out, _ = torch_npu.npu_fused_infer_attention_score(
-            bsnd(q_latent),
-            latent_cache,
-            latent_cache,
+        capturing = torch.npu.is_current_stream_capturing()
+        if capturing and not meta.graph_decode:
+            raise RuntimeError(
+                "An NPU graph is capturing an MLA batch whose metadata is not the graph kind "
+                f"(row query lengths {meta.row_query_lens}): the fused op's host lengths "
+                "would stay frozen in the graph. Only uniform decode batches under FULL "
+                "decode graphs can be captured.")
+        query = bsnd(q_latent)
+        kwargs = dict(
             query_rope=bsnd(q_rope),
             key_rope=rope_cache,
             atten_mask=meta.attn_mask,
@@ -413,10 +466,43 @@ class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
             input_layout="BSND",
             sparse_mode=meta.sparse_mode,
         )
+        if capturing:
+            out = self._capture_uniform_batch(layer, query, latent_cache, kwargs, meta)
+        else:
+            out, _ = torch_npu.npu_fused_infer_attention_score(
+                query, latent_cache, latent_cache, **kwargs)
         flat = out.view(rows * row_len, padded, self.kv_lora_rank)
         if meta.token_rows is not None:
             flat = flat[meta.token_rows]
         return flat[:, :heads].contiguous(), None
+
+    def _capture_uniform_batch(self, layer, query, latent_cache, kwargs,
+                               meta: AscendMLADecodeMetadata) -> torch.Tensor:
+        """The fused op's MLA form as ``.out`` in a graph task group; returns its output
+        buffer, which every replay refills with the step's lengths."""
+        from ascend_core.attention.npu_graph_tasks import capture_fused_attention
+
+        out = torch.empty(query.shape[:-1] + (self.kv_lora_rank,), dtype=query.dtype,
+                          device=query.device)
+        lse = torch.empty(1, dtype=torch.float32, device=query.device)
+
+        def host_arguments(step: MLACommonMetadata) -> dict:
+            decode = step.decode
+            if not isinstance(decode, AscendMLADecodeMetadata) or (
+                    decode.rows, decode.row_len, decode.graph_decode,
+                    decode.row_block_table.data_ptr()) != (
+                    meta.rows, meta.row_len, True, meta.row_block_table.data_ptr()):
+                raise ValueError(
+                    f"An MLA graph captured for {meta.rows} rows of {meta.row_len} tokens is "
+                    f"replayed for other metadata ({decode!r:.200}); vLLM's dispatcher "
+                    "should have picked another graph or run eagerly.")
+            return {"actual_seq_lengths": decode.row_query_lens,
+                    "actual_seq_lengths_kv": decode.row_kv_lens}
+
+        capture_fused_attention(getattr(layer, "layer_name", None),
+                                (query, latent_cache, latent_cache), kwargs, [out, lse],
+                                host_arguments)
+        return out
 
 
 def select_mla_backend(selected_backend, config, path: str) -> str:

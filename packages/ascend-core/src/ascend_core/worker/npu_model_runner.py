@@ -24,9 +24,12 @@ For FULL decode graphs the model stays eager; for PIECEWISE / FULL_AND_PIECEWISE
 platform turns on vLLM's compilation with the eager backend (no Inductor for NPUs): Dynamo's
 graph split at the attention ops, each piece wrapped by ``CUDAGraphWrapper`` and captured the
 same way. What a captured step needs from the rest of the runner: KV slots that are valid
-for padding tokens too (``_get_slot_mappings``) and attention metadata whose host arguments
-live in buffers kept per batch size (``AscendAttentionMetadataBuilder``). ``graph_replays``
-counts replays in this process, ``graph_counts`` wrappers, graphs and replays per mode.
+for padding tokens too (``_get_slot_mappings``) and, for the fused attention ops captured in
+graph task groups, an update of their host sequence lengths before each replay: the runner's
+graph class comes from ``npu_graph_tasks.graph_cls_with_task_updates``, which does it from
+the step's attention metadata in vLLM's forward context. ``graph_replays``
+counts replays in this process, ``graph_counts`` wrappers, graphs, replays and task groups
+per mode.
 
 The speculative proposer and rejection sampler come from core's registries through the same
 hooks the host runner uses (``ascend_core.worker.speculative``); quantization and EPLB run
@@ -47,6 +50,7 @@ import vllm.compilation.cuda_graph as cuda_graph_module
 import vllm.v1.worker.gpu_model_runner as gpu_model_runner_module
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from ascend_core.attention.npu_graph_tasks import graph_cls_with_task_updates, task_counts
 from ascend_core.distributed.npu_communicator import npu_graph_capture
 from ascend_core.worker.speculative import (
     install_registered_proposer,
@@ -99,10 +103,12 @@ _graph_replays = [0]
 
 @functools.cache
 def _counting_npu_graph_cls() -> type:
-    """``torch.npu.NPUGraph`` that counts its replays (``NPUModelRunner.graph_replays``);
-    made on first use, since ``torch.npu`` exists only once torch_npu is imported."""
+    """``torch.npu.NPUGraph`` that counts its replays (``NPUModelRunner.graph_replays``) and
+    updates the fused-attention task groups captured in it before each replay
+    (``npu_graph_tasks``); made on first use, since ``torch.npu`` exists only once torch_npu
+    is imported."""
 
-    class CountingNPUGraph(torch.npu.NPUGraph):
+    class CountingNPUGraph(graph_cls_with_task_updates()):
         replays = 0
 
         def replay(self) -> None:
@@ -241,16 +247,22 @@ class NPUModelRunner(GPUModelRunner):
     def graph_counts(self) -> dict[str, dict[str, int]]:
         """Per runtime mode (``FULL``, ``PIECEWISE``) of vLLM's graph wrappers in this
         process: how many wrappers (one around the model for FULL, one per piece between
-        attention ops for PIECEWISE), graphs captured and replays of those graphs."""
+        attention ops for PIECEWISE), graphs captured and replays of those graphs, fused
+        attention task groups captured in those graphs (one per attention layer in a FULL
+        graph) and the task-group updates issued before their replays."""
         counts: dict[str, dict[str, int]] = {}
         for wrapper in list(cuda_graph_module.CUDAGraphWrapper._all_instances):
             mode = counts.setdefault(wrapper.runtime_mode.name,
-                                     {"wrappers": 0, "graphs": 0, "replays": 0})
+                                     {"wrappers": 0, "graphs": 0, "replays": 0,
+                                      "task_groups": 0, "task_updates": 0})
             mode["wrappers"] += 1
             for entry in wrapper.concrete_cudagraph_entries.values():
                 if entry.cudagraph is not None:
                     mode["graphs"] += 1
                     mode["replays"] += getattr(entry.cudagraph, "replays", 0)
+                    groups, updates = task_counts(entry.cudagraph)
+                    mode["task_groups"] += groups
+                    mode["task_updates"] += updates
         return counts
 
     def _plan_graph_capture_sizes(self) -> list[int]:
