@@ -44,6 +44,7 @@ from ascend_core.config import init_ascend_config
 from ascend_core.platform.npu import AscendPlatform
 from ascend_core.worker.npu_model_runner import NPUModelRunner, npu_device_names
 from ascend_core.worker.npu_sleep import SLEEP_TAGS, NPUSleepPool
+from ascend_core.worker.npu_trace_errors import explain_trace_failures
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +284,8 @@ class NPUWorker(Worker):
         return available
 
     def _profile_run(self) -> None:
-        with set_current_vllm_config(self.vllm_config):
+        with (set_current_vllm_config(self.vllm_config),
+              explain_trace_failures(self.vllm_config, "profiling run")):
             self.model_runner.profile_run(randomize_inputs=self.randomize_dummy_inputs)
 
     def compile_or_warm_up_model(self):
@@ -293,7 +295,7 @@ class NPUWorker(Worker):
         original = gpu_worker_module.kernel_warmup
         gpu_worker_module.kernel_warmup = _no_cuda_kernel_warmup
         try:
-            with npu_device_names():
+            with npu_device_names(), explain_trace_failures(self.vllm_config, "warm-up"):
                 return super().compile_or_warm_up_model()
         finally:
             gpu_worker_module.kernel_warmup = original
