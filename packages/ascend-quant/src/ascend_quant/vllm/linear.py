@@ -4,7 +4,8 @@
 loading checks, see ``params``); ``process_weights_after_loading`` refuses missing
 tensors, runs the scheme's ``process`` and replaces the checkpoint parameters by the
 runtime ones (registered as ``ascend_<name>``, so resident memory is what the scheme
-keeps); ``apply`` calls the scheme.
+keeps); ``apply`` calls the scheme -- while vLLM's compilation traces the model on the npu
+target (PIECEWISE graphs), through ``ascend_quant.traced_ops.linear``, one opaque node.
 """
 
 from __future__ import annotations
