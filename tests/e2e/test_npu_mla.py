@@ -13,10 +13,17 @@ same prompts:
 - chunked prefill on the npu target (8 tokens a step, so prompts are split over steps and
   attend to their cached first part) against the npu target's whole-prompt run, and MTP
   speculative decoding (3 drafted tokens, verified as 4-token queries) against the npu
-  target without speculation: the same backend on the same device, up to near-ties.
+  target without speculation: the same backend on the same device, up to near-ties;
+- FULL decode graphs (``FULL_DECODE_ONLY``), without and with MTP: decode and verification
+  steps replay captured graphs in which each MLA layer's fused attention is a graph task
+  group, its lengths updated before every replay (``graph_counts``: one task group per
+  attention layer and graph, one update per layer and replay); greedy tokens as eager.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 from test_npu_target import (
@@ -81,3 +88,41 @@ def test_mtp_speculation_on_npu_keeps_greedy_tokens(deepseek, deepseek_npu):
     # Drafts were verified (4-token queries through the backend) and some were accepted.
     assert drafts > 0 and accepted > 0, metrics
     print(f"\nMTP on npu, k=3: mean acceptance length {1 + accepted / drafts:.3f}")
+
+
+# --- FULL decode graphs -----------------------------------------------------------------------
+
+FULL_DECODE = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"},
+               "enforce_eager": False, "max_num_seqs": 8}
+
+
+def _assert_fused_attention_replayed_in_graphs(result: dict, deepseek: str) -> dict:
+    (worker,) = result["workers"]
+    full = worker["graph_counts"]["FULL"]
+    layers = json.loads((Path(deepseek) / "config.json").read_text())["num_hidden_layers"]
+    assert full["graphs"] > 0 and full["replays"] > 0, full
+    # Every captured graph holds one task group per MLA layer, and every replay updated each
+    # of them first: the fused op ran inside the graphs with the step's lengths.
+    assert full["task_groups"] == full["graphs"] * layers, (full, layers)
+    assert full["task_updates"] == full["replays"] * layers, (full, layers)
+    return full
+
+
+def test_deepseek_with_full_decode_graphs_keeps_greedy_tokens(deepseek, deepseek_npu):
+    result = run(deepseek, NPU, **FULL_DECODE)
+    assert_on_npu(result)
+    full = _assert_fused_attention_replayed_in_graphs(result, deepseek)
+    assert full["replays"] >= MAX_TOKENS - 1  # every decode step after the first token
+    (eager_worker,) = deepseek_npu["workers"]
+    assert eager_worker["graph_counts"] == {}
+    assert result["token_ids"] == deepseek_npu["token_ids"]
+
+
+def test_mtp_verification_with_full_decode_graphs_keeps_greedy_tokens(deepseek, deepseek_npu):
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    result = run(deepseek, NPU, speculative_config=spec, disable_log_stats=False,
+                 **FULL_DECODE)
+    assert_on_npu(result)
+    _assert_fused_attention_replayed_in_graphs(result, deepseek)
+    assert_equal_up_to_near_ties(result, deepseek_npu, "MTP under FULL graphs on npu")
+    assert result["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0

@@ -168,6 +168,12 @@ class _Recorder(TorchDispatchMode):
         if not _touches_npu((args, kwargs)):
             return func(*args, **kwargs)  # host work: runs once, not in the graph
         _check_capturable(func, args, kwargs)
+        if isinstance(func, torch._ops.OpOverload) and _runs_python_per_step(func):
+            # vLLM's attention ops run Python that reads the step's forward context: a
+            # device graph holds the kernels they launched at capture, not that Python, so
+            # their inner work is recorded step by step (through their npu kernel).
+            with self:
+                return func.redispatch(_NPU_KEYS, *args, **kwargs)
         if isinstance(func, torch._ops.OpOverload) and func.namespace != "aten":
             # A custom op (e.g. a torch.library op around torch_npu calls) is one step,
             # as a kernel launch: the torch_npu functions it calls are not steps of their
@@ -185,6 +191,15 @@ class _Recorder(TorchDispatchMode):
             # work on the device like any other.
             self.graph._steps.append(_Step(func, args, kwargs, result, str(func)))
         return result
+
+
+_NPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
+
+
+def _runs_python_per_step(func) -> bool:
+    """vLLM's attention and KV-cache-update custom ops (``torch.ops.vllm.unified_*``)."""
+    name = func._schema.name
+    return func.namespace == "vllm" and ("attention" in name or "kv_cache_update" in name)
 
 
 def _aliases_an_input(result, inputs) -> bool:

@@ -69,6 +69,15 @@ SPARSE_MODE_NO_MASK = 0
 SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
 
 
+def is_padded_uniform(query_lens: list[int], decode_query_len: int) -> bool:
+    """Whether a batch is uniform decode: requests of ``decode_query_len`` tokens, then
+    possibly vLLM's padding requests of a captured size (query length 0)."""
+    active = len(query_lens)
+    while active and query_lens[active - 1] == 0:
+        active -= 1
+    return active > 0 and set(query_lens[:active]) == {decode_query_len}
+
+
 def _full_graphs_configured() -> bool:
     """Whether the vLLM config being built runs FULL (decode) graphs."""
     from vllm.config import get_current_vllm_config_or_none
@@ -206,10 +215,14 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
         starts = meta.query_start_loc_cpu[: num_reqs + 1].tolist()
         query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
         seq_lens = meta.seq_lens[:num_reqs].to("cpu").tolist()
-        graph_decode = self._full_graphs and num_reqs > 0 and set(query_lens) == {
-            self._decode_query_len}
-        if graph_decode:  # padding requests of a captured size have sequence length 0
+        graph_decode = self._full_graphs and is_padded_uniform(query_lens,
+                                                               self._decode_query_len)
+        if graph_decode:
+            # Padding requests of a captured size (query length and sequence length 0 in
+            # vLLM's buffers) become requests of the decode length over the null block.
+            query_lens = [self._decode_query_len] * num_reqs
             seq_lens = [kv or q_len for q_len, kv in zip(query_lens, seq_lens, strict=True)]
+            starts = [req * self._decode_query_len for req in range(num_reqs + 1)]
         for req, (q_len, kv_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
             if q_len > kv_len:
                 raise ValueError(

@@ -64,6 +64,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, Attent
 from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
 
 from ascend_core.attention import ASCEND_MLA_NAME
+from ascend_core.attention.npu_attention import is_padded_uniform
 
 
 def _full_graphs_configured() -> bool:
@@ -255,13 +256,17 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
         # The op takes host lists (SymInt[]).
         seq_lens = seq_lens_device.to("cpu").tolist()
-        graph_decode = (self._full_graphs and bool(query_lens)
-                        and set(query_lens) == {self._decode_query_len}
+        graph_decode = (self._full_graphs
+                        and is_padded_uniform(query_lens, self._decode_query_len)
                         and self._decode_query_len <= MAX_TOKENS_PER_ROW
                         and block_table_tensor.dtype == torch.int32
                         and block_table_tensor.is_contiguous())
-        if graph_decode:  # padding requests of a captured size have sequence length 0
+        if graph_decode:
+            # Padding requests of a captured size (query length and sequence length 0 in
+            # vLLM's buffers) become requests of the decode length over the null block.
+            query_lens = [self._decode_query_len] * len(query_lens)
             seq_lens = [kv or q_len for q_len, kv in zip(query_lens, seq_lens, strict=True)]
+            starts = [req * self._decode_query_len for req in range(len(query_lens) + 1)]
         row_request, row_q, row_kv, row_len, token_rows = plan_rows(query_lens, seq_lens)
         plain = len(row_q) * row_len == len(token_rows)  # every row full: rows are tokens
         request_index = torch.tensor(row_request, dtype=torch.long)
