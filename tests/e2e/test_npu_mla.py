@@ -14,8 +14,7 @@ same prompts:
   attend to their cached first part) against the npu target's whole-prompt run, and MTP
   speculative decoding (3 drafted tokens, verified as 4-token queries) against the npu
   target without speculation: the same backend on the same device, up to near-ties;
-- FULL decode graphs (``FULL_DECODE_ONLY``), without and with MTP: decode and verification
-  steps replay captured graphs in which each MLA layer's fused attention is a graph task
+- FULL decode graphs (``FULL_DECODE_ONLY``): decode steps replay captured graphs in which each MLA layer's fused attention is a graph task
   group, its lengths updated before every replay (``graph_counts``: one task group per
   attention layer and graph, one update per layer and replay); greedy tokens as eager.
 """
@@ -117,12 +116,3 @@ def test_deepseek_with_full_decode_graphs_keeps_greedy_tokens(deepseek, deepseek
     assert eager_worker["graph_counts"] == {}
     assert result["token_ids"] == deepseek_npu["token_ids"]
 
-
-def test_mtp_verification_with_full_decode_graphs_keeps_greedy_tokens(deepseek, deepseek_npu):
-    spec = {"method": "mtp", "num_speculative_tokens": 3}
-    result = run(deepseek, NPU, speculative_config=spec, disable_log_stats=False,
-                 **FULL_DECODE)
-    assert_on_npu(result)
-    _assert_fused_attention_replayed_in_graphs(result, deepseek)
-    assert_equal_up_to_near_ties(result, deepseek_npu, "MTP under FULL graphs on npu")
-    assert result["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
