@@ -8,43 +8,23 @@ here is checked against the bytes of the tensors that hold it and against ``torc
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REFERENCE_PATH = str(Path(__file__).resolve().parents[1])
-ENV_VARS = (
-    "TORCH_NPU_REFERENCE_DEVICE_COUNT",
-    "TORCH_NPU_REFERENCE_TOTAL_MEMORY",
-    "ASCEND_RT_VISIBLE_DEVICES",
-)
+from conftest import REFERENCE_PATH
+
 MiB = 1024**2
 
 
-@pytest.fixture(scope="module")
-def reference_on_path():
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    yield
-    if "torch_npu" in sys.modules:
-        importlib.import_module("torch_npu._reference").uninstall()
-    sys.path.remove(REFERENCE_PATH)
-
-
 @pytest.fixture
-def torch_npu(reference_on_path, monkeypatch):
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
+def torch_npu(fresh_torch_npu, monkeypatch):
     monkeypatch.setenv("TORCH_NPU_REFERENCE_TOTAL_MEMORY", str(64 * MiB))
-    module = importlib.import_module("torch_npu")
-    module._reference.reset_state()
-    yield module
-    module._reference.reset_state()
+    fresh_torch_npu._reference.reset_state()
+    return fresh_torch_npu
 
 
 def test_accelerator_empty_cache_releases_cached_free_blocks(torch_npu):

@@ -6,43 +6,21 @@ bytes of the tensors that hold them.
 
 from __future__ import annotations
 
-import importlib
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REFERENCE_PATH = str(Path(__file__).resolve().parents[1])
-ENV_VARS = (
-    "TORCH_NPU_REFERENCE_DEVICE_COUNT",
-    "TORCH_NPU_REFERENCE_TOTAL_MEMORY",
-    "TORCH_NPU_REFERENCE_DEVICE_NAME",
-    "ASCEND_RT_VISIBLE_DEVICES",
-)
+from conftest import REFERENCE_PATH
+
 NPU = None  # torch.device("npu", 0), once the reference has named the device
 
 
-@pytest.fixture(scope="module")
-def reference_on_path():
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    yield
-    if "torch_npu" in sys.modules:
-        importlib.import_module("torch_npu._reference").uninstall()
-    sys.path.remove(REFERENCE_PATH)
-
-
 @pytest.fixture
-def torch_npu(reference_on_path, monkeypatch):
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
+def torch_npu(fresh_torch_npu):
     global NPU
-    module = importlib.import_module("torch_npu")
     NPU = torch.device("npu", 0)
-    module._reference.reset_state()
-    yield module
-    module._reference.reset_state()
+    return fresh_torch_npu
 
 
 # --- tensors, arithmetic, copies ----------------------------------------------------------

@@ -4,27 +4,12 @@ lengths -- and keeps the captured ones without an update; misuse raises."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REFERENCE_PATH = str(Path(__file__).resolve().parents[1])
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS = 4, 2, 32, 128, 6
 
 
-@pytest.fixture(scope="module")
-def torch_npu():
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    module = importlib.import_module("torch_npu")
-    module._reference.reset_state()
-    yield module
-    if "torch_npu" in sys.modules:
-        importlib.import_module("torch_npu._reference").uninstall()
-    sys.path.remove(REFERENCE_PATH)
 
 
 def _inputs(batch: int = 2, q_s: int = 1):

@@ -4,26 +4,12 @@ the static inputs' new contents."""
 
 from __future__ import annotations
 
-import importlib
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REFERENCE_PATH = str(Path(__file__).resolve().parents[1])
-
-
-@pytest.fixture(scope="module")
-def torch_npu():
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    module = importlib.import_module("torch_npu")
-    module._reference.reset_state()
-    yield module
-    if "torch_npu" in sys.modules:
-        importlib.import_module("torch_npu._reference").uninstall()
-    sys.path.remove(REFERENCE_PATH)
+from conftest import REFERENCE_PATH
 
 
 def test_replay_computes_from_the_static_inputs_current_contents(torch_npu):

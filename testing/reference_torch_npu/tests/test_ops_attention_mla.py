@@ -6,29 +6,16 @@ rules from its torch_npu documentation page. The latent + rope cache is written 
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REFERENCE_PATH = str(Path(__file__).resolve().parents[1])
 TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 CAUSAL_MASK = torch.triu(torch.ones(2048, 2048, dtype=torch.int8), diagonal=1)
 LATENT, ROPE = 512, 64
 
 
-@pytest.fixture(scope="module")
-def torch_npu():
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    module = importlib.import_module("torch_npu")
-    yield module
-    if "torch_npu" in sys.modules:
-        importlib.import_module("torch_npu._reference").uninstall()
-    sys.path.remove(REFERENCE_PATH)
 
 
 class Case:

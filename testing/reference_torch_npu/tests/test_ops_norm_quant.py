@@ -3,28 +3,14 @@ argument rules of their torch_npu documentation pages."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-REFERENCE_PATH = str(Path(__file__).resolve().parents[1])
 HALF = [torch.float16, torch.bfloat16]
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(scope="module")
-def torch_npu():
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    module = importlib.import_module("torch_npu")
-    yield module
-    if "torch_npu" in sys.modules:
-        importlib.import_module("torch_npu._reference").uninstall()
-    sys.path.remove(REFERENCE_PATH)
 
 
 def _int8_steps(values: torch.Tensor) -> torch.Tensor:

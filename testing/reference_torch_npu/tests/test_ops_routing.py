@@ -3,26 +3,14 @@ documented argument rules."""
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REFERENCE_PATH = str(Path(__file__).resolve().parents[1])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(scope="module")
-def torch_npu():
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    module = importlib.import_module("torch_npu")
-    yield module
-    importlib.import_module("torch_npu._reference").uninstall()
-    sys.path.remove(REFERENCE_PATH)
 
 
 def _ranked(values: list[float], k: int) -> list[int]:

@@ -6,41 +6,18 @@ import importlib
 import math
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-REFERENCE_PATH = str(Path(__file__).resolve().parents[1])
 GiB = 1024**3
-ENV_VARS = (
-    "TORCH_NPU_REFERENCE_DEVICE_COUNT",
-    "TORCH_NPU_REFERENCE_TOTAL_MEMORY",
-    "TORCH_NPU_REFERENCE_DEVICE_NAME",
-    "ASCEND_RT_VISIBLE_DEVICES",
-)
-
-
-@pytest.fixture(scope="module")
-def reference_on_path():
-    sys.path.insert(0, REFERENCE_PATH)
-    importlib.invalidate_caches()
-    yield
-    if "torch_npu" in sys.modules:
-        importlib.import_module("torch_npu._reference").uninstall()
-    sys.path.remove(REFERENCE_PATH)
 
 
 @pytest.fixture
-def torch_npu(reference_on_path, monkeypatch):
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    module = importlib.import_module("torch_npu")
-    module._reference.reset_state()
-    yield module
-    module._reference.reset_state()
+def torch_npu(fresh_torch_npu):
+    return fresh_torch_npu
 
 
 # --- registration -----------------------------------------------------------------------
