@@ -4,6 +4,13 @@ Each checkpoint tensor of an expert projection becomes one stacked parameter,
 ``w13_<name>`` ``[E, 2I, ...]`` (gate and up) or ``w2_<name>`` ``[E, H, ...]`` (down),
 loaded by vLLM's RoutedExperts loader (scales per channel), after the same shape,
 dtype and completeness checks as linear layers.
+
+On the npu platform the method is monolithic, as the npu target's unquantized experts
+(``ascend_core.ops.moe``): vLLM hands ``apply_monolithic`` the router logits, the routing
+runs through ascend-core's ``route`` (ascend-kernels' ``topk_softmax`` / ``grouped_topk``,
+torch_npu's gating ops on npu tensors; vLLM's router would call ``_moe_C``, which npu lacks)
+and the experts through the scheme's npu form (``npu_grouped_matmul`` int8, ``npu_swiglu``).
+Elsewhere (the host target) vLLM's router picks the experts and calls ``apply``.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
+from ascend_core.ops.moe import route
 from ascend_quant.errors import QuantConfigError
 from ascend_quant.schemes.base import Kind
 from ascend_quant.schemes.moe import MoEScheme
@@ -21,13 +29,28 @@ from ascend_quant.vllm.params import LoadLedger
 STACKS = {"w1": "w13", "w3": "w13", "w2": "w2"}
 
 
+def npu_platform() -> bool:
+    """Whether vLLM runs on the npu platform (the npu target)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type == "npu"
+
+
 class AscendQuantMoEMethod(FusedMoEMethodBase):
     """Serves one layer of routed experts with an ascend-quant MoE scheme."""
 
-    def __init__(self, scheme: MoEScheme, moe, projection_names: dict[str, str]) -> None:
+    def __init__(self, scheme: MoEScheme, moe, projection_names: dict[str, str], *,
+                 route_here: bool | None = None) -> None:
         super().__init__(moe)
         self.scheme = scheme
         self.projection_names = projection_names  # shard id -> checkpoint name
+        #: Routing in this method (monolithic, ascend-kernels' routing): the npu platform's
+        #: way; None decides by the platform.
+        self.route_here = npu_platform() if route_here is None else bool(route_here)
+        #: Forward calls routed here, and whether the experts' weights took the scheme's
+        #: npu form (set after loading).
+        self.monolithic_calls = 0
+        self.npu_form = False
         activation = getattr(moe.activation, "value", moe.activation)
         if activation not in scheme.activations:
             raise scheme.fail(f"expert activation {activation!r} is not served; served: "
@@ -108,8 +131,38 @@ class AscendQuantMoEMethod(FusedMoEMethodBase):
                 f"{shown}; refusing to serve the experts with uninitialised values")
         loaded = {name: getattr(layer, name).data for name in ledger.specs
                   if name in ledger.arrived}
-        install_runtime(layer, list(ledger.specs), self.scheme.process(loaded))
+        runtime = self.scheme.process(loaded)
+        install_runtime(layer, list(ledger.specs), runtime)
         del layer.ascend_quant_ledger
+        self.npu_form = any(name.startswith("npu_") for name in runtime)
+        if self.route_here:
+            self._check_routing(layer)
+
+    @property
+    def is_monolithic(self) -> bool:
+        return self.route_here
+
+    @property
+    def runs_npu_path(self) -> bool:
+        """Routing here and experts in the scheme's npu form (known after loading)."""
+        return self.route_here and self.npu_form
+
+    def _check_routing(self, layer) -> None:
+        problems = []
+        if getattr(self.moe, "has_bias", False):
+            problems.append("expert biases")
+        if layer.apply_router_weight_on_input:
+            problems.append("apply_router_weight_on_input")
+        if getattr(layer, "custom_routing_function", None) is not None:
+            problems.append("a custom routing function")
+        if getattr(layer, "routing_sink", None) is not None:
+            problems.append("a routing sink")
+        if getattr(self.moe.moe_parallel_config, "enable_eplb", False):
+            problems.append("EPLB (--enable-eplb)")
+        if problems:
+            raise self.scheme.fail(f"the npu target's routing does not serve "
+                                   f"{', '.join(problems)}; serve this model with "
+                                   "VLLM_ASCEND_TARGET=host")
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None
@@ -120,3 +173,22 @@ class AscendQuantMoEMethod(FusedMoEMethodBase):
         if layer.apply_router_weight_on_input:
             raise self.scheme.fail("apply_router_weight_on_input is not served")
         return self.scheme.apply(runtime_weights(layer), x, topk_weights, topk_ids)
+
+    def select_experts(self, layer, router_logits: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k], ids [T, k])`` through ascend-kernels' routing ops."""
+        return route(router_logits, top_k=layer.top_k, renormalize=layer.renormalize,
+                     use_grouped_topk=layer.use_grouped_topk,
+                     num_expert_group=layer.num_expert_group, topk_group=layer.topk_group,
+                     scoring_func=layer.scoring_func,
+                     e_score_correction_bias=layer.e_score_correction_bias,
+                     routed_scaling_factor=layer.routed_scaling_factor)
+
+    def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
+                         input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.route_here:
+            raise self.scheme.fail("apply_monolithic is the npu platform's path; this layer "
+                                   "is routed by vLLM's router")
+        self.monolithic_calls += 1
+        weights, ids = self.select_experts(layer, router_logits)
+        return self.scheme.apply(runtime_weights(layer), x, weights, ids)
