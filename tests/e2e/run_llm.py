@@ -49,6 +49,9 @@ def probe_worker(worker) -> dict:
         "moe_comm_batches": moe_comm_batches(modules),
         # Per graph runtime mode (FULL / PIECEWISE): wrappers, graphs captured, replays.
         "graph_counts": getattr(runner, "graph_counts", None),
+        # The batch sizes (tokens) captured as graphs.
+        "graph_capture_sizes": list(getattr(runner.compilation_config,
+                                            "cudagraph_capture_sizes", None) or []),
         "layer_classes": sorted({type(m).__name__ for m in modules
                                  if type(m).__name__.startswith(("Ascend", "RMSNorm",
                                                                  "SiluAndMul"))}),

@@ -16,7 +16,9 @@ same prompts:
   target without speculation: the same backend on the same device, up to near-ties;
 - FULL decode graphs (``FULL_DECODE_ONLY``): decode steps replay captured graphs in which each MLA layer's fused attention is a graph task
   group, its lengths updated before every replay (``graph_counts``: one task group per
-  attention layer and graph, one update per layer and replay); greedy tokens as eager.
+  attention layer and graph, one update per layer and replay); greedy tokens as eager. With
+  MTP the captured batches are verification batches (4-token queries) and the draft model
+  runs eagerly; greedy tokens as the eager run without speculation, up to near-ties.
 """
 
 from __future__ import annotations
@@ -116,3 +118,34 @@ def test_deepseek_with_full_decode_graphs_keeps_greedy_tokens(deepseek, deepseek
     assert eager_worker["graph_counts"] == {}
     assert result["token_ids"] == deepseek_npu["token_ids"]
 
+
+
+def test_mtp_with_full_decode_graphs_keeps_greedy_tokens(deepseek, deepseek_npu):
+    """MTP (3 drafts) with FULL decode graphs: the verification batches (4-token queries of
+    every request) replay the captured graphs, the draft model runs eagerly (vLLM's drafter
+    takes PIECEWISE graphs only), and the greedy tokens are the eager run's without
+    speculation. Before AscendEagleProposer.dummy_run padded the draft layers' slots, the
+    capture's warm-up of the drafter wrote every dummy token to KV slot 0 and the engine
+    failed to start (npu_scatter_pa_kv_cache: duplicate slots)."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    result = run(deepseek, NPU, speculative_config=spec, disable_log_stats=False,
+                 **FULL_DECODE)
+    assert_on_npu(result)
+    (worker,) = result["workers"]
+    assert worker["drafter"] == "AscendEagleProposer"
+    assert worker["drafter_counters"]["dummy_run_padding_slots"] > 0
+    # Only verification batches were captured: each size a whole number of 4-token queries.
+    sizes = worker["graph_capture_sizes"]
+    assert sizes and all(size % 4 == 0 for size in sizes), sizes
+    full = _assert_fused_attention_replayed_in_graphs(result, deepseek)
+    assert full["graphs"] == len(sizes), (full, sizes)
+    # Graphs replayed, and no more often than the rejection sampler verified drafts.
+    verifications = worker["rejection_sampler_calls"]
+    assert 0 < full["replays"] <= verifications, (full, verifications)
+    metrics = result["metrics"]
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0, metrics
+    assert_equal_up_to_near_ties(result, deepseek_npu, "MTP with FULL decode graphs on npu")
+    print(f"\nMTP + FULL graphs: {full['replays']} replays of {verifications} verification "
+          f"steps; equal to eager without speculation: "
+          f"{result['token_ids'] == deepseek_npu['token_ids']}")

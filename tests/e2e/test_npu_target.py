@@ -286,3 +286,39 @@ def test_moe_model_with_full_decode_graphs_keeps_greedy_tokens(qwen3_moe, qwen3_
     (worker,) = result["workers"]
     assert worker["graph_replays"] >= 15
     assert result["token_ids"] == qwen3_moe_npu["token_ids"]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_with_full_decode_graphs_keeps_greedy_tokens(medusa_demo, medusa_base_npu,
+                                                          method):
+    """EAGLE / EAGLE-3 (3 drafts) with FULL decode graphs: the verification batches (4-token
+    queries) replay captured graphs whose fused attention is a task group per layer, the
+    draft runs eagerly (vLLM's drafter takes PIECEWISE graphs only), and every greedy token
+    is the eager run's without speculation. The drafter's warm-up during capture gets
+    padding KV slots (AscendEagleProposer.dummy_run); with its unwritten slot buffer (zeros)
+    it wrote slot 0 for every dummy token and start-up failed on duplicate slots."""
+    import json
+
+    from ascend_plugin.tiny_drafts import ensure_eagle3_draft, ensure_eagle_draft
+
+    base = medusa_demo[0]
+    if method == "eagle":
+        draft = ensure_eagle_draft(base, std=0.005, carry_embedding=True)
+    else:
+        draft = ensure_eagle3_draft(base, draft_vocab_size=1024)
+    spec = {"method": method, "model": str(draft), "num_speculative_tokens": 3}
+    result = run(base, NPU, speculative_config=spec, disable_log_stats=False, **GRAPHS)
+    assert_on_npu(result)
+    (worker,) = result["workers"]
+    assert worker["drafter"] == "AscendEagleProposer"
+    assert worker["drafter_counters"]["dummy_run_padding_slots"] > 0
+    sizes = worker["graph_capture_sizes"]
+    assert sizes and all(size % 4 == 0 for size in sizes), sizes  # verification batches
+    full = worker["graph_counts"]["FULL"]
+    layers = json.loads((Path(base) / "config.json").read_text())["num_hidden_layers"]
+    assert full["graphs"] == len(sizes), (full, sizes)
+    assert full["task_groups"] == full["graphs"] * layers, (full, layers)
+    assert 0 < full["replays"] <= worker["rejection_sampler_calls"], full
+    assert full["task_updates"] == full["replays"] * layers, (full, layers)
+    assert result["metrics"]["vllm:spec_decode_num_drafts"] > 0
+    assert result["token_ids"] == medusa_base_npu["token_ids"]

@@ -14,6 +14,9 @@ What this subclass does differently:
   reads its hidden state, positions / KV slots / lengths of each drafted token) runs as
   ``ascend_kernels.spec_decode`` torch ops, which run on an NPU, where vLLM's Triton kernels
   (and its CPU backend's C++ fallbacks) do not;
+- dummy runs (warm-up, graph capture) give the draft layers padding KV slots (-1), as vLLM's
+  runner does for the target, not the zeros the unwritten slot buffer holds (vLLM's kernels
+  tolerate many writes to slot 0; the NPU's paged KV scatter takes unique slots only);
 - greedy drafting over a truncated draft vocabulary (EAGLE-3 ``d2t``) takes the argmax over
   the draft's own logits and maps the winner, instead of scattering the logits into a
   full-vocabulary tensor of -inf first.
@@ -66,6 +69,22 @@ class AscendEagleProposer(EagleProposer):
                             target_hidden_size=target_hidden)
         super().__init__(vllm_config, device, runner)
         self.ascend_counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ warm-up
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
+                  is_graph_capturing: bool = False,
+                  slot_mappings: dict[str, torch.Tensor] | None = None) -> None:
+        # While the target's graphs are captured, vLLM hands the draft layers this proposer's
+        # own slot buffer, which no step has written yet (zeros at start-up): every dummy
+        # token would write KV slot 0. A dummy run has no real slots, so they are padding
+        # (-1), as in the target's dummy runs: a KV write that takes unique slots only (the
+        # npu target's npu_scatter_pa_kv_cache) skips them or sends them to the null block.
+        self._slot_mapping_buffer.fill_(PAD_SLOT_ID)  # (the padded size may exceed num_tokens)
+        self.ascend_counters["dummy_run_padding_slots"] += 1
+        super().dummy_run(num_tokens, use_cudagraphs=use_cudagraphs,
+                          is_graph_capturing=is_graph_capturing, slot_mappings=slot_mappings)
 
     # ------------------------------------------------------------------ drafting
 
