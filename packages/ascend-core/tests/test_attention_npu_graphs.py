@@ -222,3 +222,57 @@ def test_captured_mla_verification_step_replays_like_eager(torch_npu):  # noqa: 
         up = torch.einsum("tnl,nlv->tnv", replayed.float(), batch.w_uv.float())
         torch.testing.assert_close(up, batch.expected(impl.scale), atol=MLA_TOL[dtype],
                                    rtol=MLA_TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", ["dense", "mla"])
+@torch.inference_mode()
+def test_padding_beyond_one_block_writes_no_request_block(torch_npu, backend):  # noqa: F811
+    """Under a FULL-graph config, padding token i (slot -1) of a captured batch writes slot i
+    of the null block. A batch of more than one block of tokens is never captured (it runs
+    eagerly, e.g. a draft model's step with requests past max_model_len): there slot i would
+    be in a request's block, so its padding tokens must write nothing."""
+    npu, dtype = torch.device("npu"), torch.bfloat16
+    if backend == "dense":
+        spec = _spec(KV_HEADS, HEAD_SIZE, dtype)
+        with set_current_vllm_config(_graph_config()):
+            impl = AscendAttentionImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS,
+                                       alibi_slopes=None, sliding_window=None,
+                                       kv_cache_dtype="auto")
+        assert impl.pad_slots_to_null_block  # set from the FULL-graph config
+        kv_cache = _allocate_cache(spec).to(npu)
+        block = kv_cache.shape[2]
+        width = KV_HEADS * HEAD_SIZE
+    else:
+        from test_attention_npu_mla import LATENT, ROPE, make_impl
+
+        impl = make_impl(2)
+        block, width = 16, LATENT + ROPE
+        kv_cache = torch.zeros(4, block, width, dtype=dtype, device=npu)
+    impl.pad_slots_to_null_block = True  # what a FULL-graph config sets
+    tokens = block + 4
+    # Real tokens write block 2; token `block + 1` (would be slot block + 1, in block 1) and
+    # token 0 are padding.
+    slots = torch.arange(2 * block, 2 * block + tokens, dtype=torch.int64)
+    slots[[0, block + 1]] = -1
+    generator = torch.Generator().manual_seed(0)
+    if backend == "dense":
+        key = torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=generator).to(dtype)
+        value = torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=generator).to(dtype)
+        impl.do_kv_cache_update(LAYER, key.to(npu), value.to(npu), kv_cache,
+                                slots.to(npu))
+        pages = kv_cache.cpu()  # [num_blocks, 2, block, width]
+        written = [pages[:, 0].reshape(-1, width), pages[:, 1].reshape(-1, width)]
+        sources = [key.reshape(tokens, width), value.reshape(tokens, width)]
+    else:
+        latent = torch.randn(tokens, LATENT, generator=generator).to(dtype)
+        k_pe = torch.randn(tokens, 1, ROPE, generator=generator).to(dtype)
+        impl.do_kv_cache_update(latent.to(npu), k_pe.to(npu), kv_cache, slots.to(npu),
+                                "auto", None)
+        latent_cache, rope_cache = (t.cpu() for t in impl.split_cache(kv_cache))
+        written = [latent_cache.reshape(-1, LATENT), rope_cache.reshape(-1, ROPE)]
+        sources = [latent, k_pe.reshape(tokens, ROPE)]
+    real = slots >= 0
+    for cache_rows, source in zip(written, sources, strict=True):
+        # Blocks 0 and 1 (the null block, and the block slot block + 1 lies in) untouched.
+        assert not cache_rows[: 2 * block].any()
+        assert torch.equal(cache_rows[slots[real]], source[real])

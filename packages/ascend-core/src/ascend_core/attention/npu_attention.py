@@ -357,7 +357,7 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         num_blocks, block_size, _ = key_cache.shape
         cache_shape = (num_blocks, block_size, self.num_kv_heads, self.head_size)
         tokens = slot_mapping.shape[0]
-        if self.pad_slots_to_null_block:
+        if self.pad_slots_to_null_block and tokens <= block_size:
             # Padding token i (slot -1) writes into slot i, in vLLM's null block (block 0),
             # which no request reads: npu_scatter_pa_kv_cache takes valid, unique slots
             # only, and a graph replays the KV write of every padded token. The platform
@@ -365,6 +365,14 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             pad_slots = torch.arange(tokens, dtype=slot_mapping.dtype,
                                      device=slot_mapping.device)
             slot_mapping = torch.where(slot_mapping < 0, pad_slots, slot_mapping)
+        elif self.pad_slots_to_null_block and bool((slot_mapping < 0).any()):
+            # A larger batch is never captured (it runs eagerly, e.g. a draft model's step
+            # with a request past max_model_len): its padding tokens write nothing, as slot
+            # i would lie in a request's block.
+            valid = slot_mapping >= 0
+            key, value, slot_mapping = key[:tokens][valid], value[:tokens][valid], \
+                slot_mapping[valid]
+            tokens = slot_mapping.shape[0]
         # The op takes contiguous [tokens, heads, head_size] inputs; vLLM's key and value
         # are views into the fused QKV projection and may be padded past the slots.
         torch_npu.npu_scatter_pa_kv_cache(

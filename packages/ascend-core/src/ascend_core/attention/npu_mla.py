@@ -390,14 +390,14 @@ class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
         tokens = slot_mapping.shape[0]
         latent = kv_c_normed[:tokens].reshape(tokens, 1, self.kv_lora_rank)
         rope = k_pe[:tokens].reshape(tokens, 1, self.qk_rope_head_dim)
-        if self.pad_slots_to_null_block:
+        if self.pad_slots_to_null_block and tokens <= block_size:
             # As AscendAttentionImpl.do_kv_cache_update: padding token i (slot -1) writes
             # slot i of vLLM's null block, which no request reads; no host sync, so a graph
             # can hold it (the platform caps captured sizes at one block of tokens).
             pad_slots = torch.arange(tokens, dtype=slot_mapping.dtype,
                                      device=slot_mapping.device)
             slot_mapping = torch.where(slot_mapping < 0, pad_slots, slot_mapping)
-        else:
+        else:  # eager; above one block (never captured) slot i would be a request's
             valid = slot_mapping >= 0
             if not bool(valid.all()):  # padding tokens (slot -1) write nothing
                 latent, rope, slot_mapping = latent[valid], rope[valid], slot_mapping[valid]
