@@ -6,11 +6,12 @@ W8A8_DYNAMIC checkpoint (experts and linear layers): on npu the experts' quant m
 (``npu_moe_gating_top_k_softmax``, no ``_moe_C``) and runs the experts in the scheme's npu
 form (``npu_grouped_matmul`` int8 + ``npu_swiglu``). The greedy tokens equal the host
 target's serving the same checkpoint up to near-ties (the int8 sums and bfloat16 roundings
-happen in another order: see test_npu_target.py).
+happen in another order: see test_npu_target.py). With FULL decode graphs (NPUGraph) the
+npu run keeps the eager npu run's greedy tokens.
 
-This file is also the engine script: run_llm.py with a worker probe that reports, per MoE
-layer, the quant method, whether it routed and served the experts on the npu path, and
-how many forward calls it took.
+This file is also the engine script: run_llm.py with a worker probe that reports the
+runner's graph replays and, per MoE layer, the quant method, whether it routed and served
+the experts on the npu path, and how many forward calls it took.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from test_npu_target import (
+    GRAPHS,
     HOST,
     LLM,
     NPU,
@@ -54,13 +56,14 @@ def probe_moe_methods(worker) -> dict:
     return {
         "worker": type(worker).__module__ + "." + type(worker).__name__,
         "model_runner": type(runner).__module__ + "." + type(runner).__name__,
+        "graph_replays": getattr(runner, "graph_replays", None),
         "moe_methods": methods,
     }
 
 
-def serve(model: Path, env: dict) -> dict:
+def serve(model: Path, env: dict, **llm) -> dict:
     args = {"model": str(model), "prompts": PROMPTS, "max_tokens": 16,
-            "sampling": {"logprobs": TOP_LOGPROBS}, "llm": dict(LLM)}
+            "sampling": {"logprobs": TOP_LOGPROBS}, "llm": {**LLM, **llm}}
     return run_script(__file__, args, env)[0]
 
 
@@ -85,8 +88,12 @@ def host(w8a8_moe) -> dict:
     return serve(w8a8_moe, HOST)
 
 
-def test_w8a8_moe_checkpoint_on_npu_equals_the_host_target(w8a8_moe, host):
-    npu = serve(w8a8_moe, NPU)
+@pytest.fixture(scope="module")
+def npu(w8a8_moe) -> dict:
+    return serve(w8a8_moe, NPU)
+
+
+def test_w8a8_moe_checkpoint_on_npu_equals_the_host_target(npu, host):
     assert_on_npu(npu)
     (worker,) = npu["workers"]
     methods = worker["moe_methods"]
@@ -105,6 +112,18 @@ def test_w8a8_moe_checkpoint_on_npu_equals_the_host_target(w8a8_moe, host):
 
     assert len({tuple(ids) for ids in host["token_ids"]}) == len(PROMPTS)
     assert_equal_up_to_near_ties(npu, host, "W8A8 qwen3-MoE npu vs host")
+
+
+def test_w8a8_moe_with_full_decode_graphs_keeps_greedy_tokens(w8a8_moe, npu):
+    """Routing and the int8 grouped matmuls of every MoE layer replayed from captured
+    NPU graphs: the same greedy tokens as the eager npu run."""
+    graphs = serve(w8a8_moe, NPU, **GRAPHS)
+    assert_on_npu(graphs)
+    (worker,) = graphs["workers"]
+    assert worker["graph_replays"] >= 15
+    assert npu["workers"][0]["graph_replays"] == 0
+    assert all(method["runs_npu_path"] for method in worker["moe_methods"])
+    assert graphs["token_ids"] == npu["token_ids"]
 
 
 def test_host_target_keeps_vllms_router_for_the_w8a8_experts(host):
