@@ -52,6 +52,7 @@ def probe_worker(worker) -> dict:
         # The batch sizes (tokens) captured as graphs.
         "graph_capture_sizes": list(getattr(runner.compilation_config,
                                             "cudagraph_capture_sizes", None) or []),
+        "kv_block_size": runner.cache_config.block_size,
         "layer_classes": sorted({type(m).__name__ for m in modules
                                  if type(m).__name__.startswith(("Ascend", "RMSNorm",
                                                                  "SiluAndMul"))}),

@@ -314,6 +314,7 @@ def test_eagle_with_full_decode_graphs_keeps_greedy_tokens(medusa_demo, medusa_b
     assert worker["drafter_counters"]["dummy_run_padding_slots"] > 0
     sizes = worker["graph_capture_sizes"]
     assert sizes and all(size % 4 == 0 for size in sizes), sizes  # verification batches
+    assert max(sizes) <= worker["kv_block_size"], (sizes, worker["kv_block_size"])
     full = worker["graph_counts"]["FULL"]
     layers = json.loads((Path(base) / "config.json").read_text())["num_hidden_layers"]
     assert full["graphs"] == len(sizes), (full, sizes)

@@ -444,3 +444,24 @@ def test_everything_else_runs_eagerly(npu, mode, kwargs):
     assert compilation.cudagraph_mode == CUDAGraphMode.NONE
     assert compilation.cudagraph_capture_sizes == []
     assert compilation.mode == CompilationMode.NONE
+
+
+def test_graph_sizes_follow_the_block_size_the_attention_backend_chose(npu):
+    """vLLM sets the block size the backends prefer after the model loads (16 for the MLA
+    backend, where check_and_update_config saw 128): captured batches stay within one
+    block, so padding tokens write only the null block; none left means eager."""
+    from types import SimpleNamespace
+
+    compilation = _graph_request(npu, CUDAGraphMode.FULL_DECODE_ONLY, max_num_seqs=8,
+                                 speculative_tokens=3)
+    assert compilation.cudagraph_capture_sizes == [4, 8, 16, 32]
+    config = SimpleNamespace(compilation_config=compilation,
+                             cache_config=SimpleNamespace(block_size=16))
+    npu._cap_capture_sizes_at_one_block(config)
+    assert compilation.cudagraph_capture_sizes == [4, 8, 16]
+    assert compilation.max_cudagraph_capture_size == 16
+    assert compilation.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    config.cache_config.block_size = 2  # smaller than one request's 4 tokens
+    npu._cap_capture_sizes_at_one_block(config)
+    assert compilation.cudagraph_capture_sizes == []
+    assert compilation.cudagraph_mode == CUDAGraphMode.NONE

@@ -237,6 +237,16 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         return ASCEND_ATTN_BACKEND
 
     @classmethod
+    def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
+        """vLLM picks the block size the attention backends prefer after the model loads
+        (e.g. 16 for the MLA backend, where check_and_update_config saw 128); the graph
+        capture sizes, capped at one block of tokens, follow it."""
+        super().update_block_size_for_backend(vllm_config)
+        # Kept when vLLM runs the config's checks again (check_and_update_config).
+        vllm_config.cache_config._ascend_backend_block_size = vllm_config.cache_config.block_size
+        _cap_capture_sizes_at_one_block(vllm_config)
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         import vllm
 
@@ -253,7 +263,12 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         os.environ.setdefault(V2_MODEL_RUNNER_VAR, "0")
 
         cache_config = vllm_config.cache_config
-        if cache_config.block_size is None or not getattr(
+        backend_block_size = getattr(cache_config, "_ascend_backend_block_size", None)
+        if backend_block_size is not None:
+            # The attention backends' choice (update_block_size_for_backend), made after the
+            # model loaded: vLLM re-runs these checks on the same config once the engine is up.
+            cache_config.block_size = backend_block_size
+        elif cache_config.block_size is None or not getattr(
             cache_config, "user_specified_block_size", False
         ):
             cache_config.block_size = DEFAULT_BLOCK_SIZE
@@ -341,6 +356,32 @@ def _configure_graphs(vllm_config: VllmConfig) -> None:
             " with enforce_eager" if enforce_eager else " on more than one NPU")
     compilation_config.cudagraph_mode = CUDAGraphMode.NONE
     compilation_config.cudagraph_capture_sizes = []
+
+
+def _cap_capture_sizes_at_one_block(vllm_config: VllmConfig) -> None:
+    """Drop the graph capture sizes above the (final) KV block size: padding tokens of a
+    captured batch write their KV into vLLM's null block, one slot each, so a captured batch
+    holds at most one block of tokens. Without any size left, every batch runs eagerly."""
+    from vllm.config import CUDAGraphMode
+
+    compilation_config = vllm_config.compilation_config
+    mode = compilation_config.cudagraph_mode
+    sizes = list(compilation_config.cudagraph_capture_sizes or [])
+    block_size = vllm_config.cache_config.block_size
+    if mode in (None, CUDAGraphMode.NONE) or not sizes or block_size is None:
+        return
+    kept = [size for size in sizes if size <= block_size]
+    if kept == sizes:
+        return
+    logger.info("npu target: the KV block size is %d tokens; batches above it run eagerly, "
+                "not captured: %s.", block_size, [size for size in sizes if size > block_size])
+    compilation_config.cudagraph_capture_sizes = kept
+    if kept:
+        compilation_config.max_cudagraph_capture_size = max(kept)
+    else:
+        logger.info("npu target: no decode batch fits one KV block of %d tokens; every batch "
+                    "runs eagerly.", block_size)
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
 
 
 def _no_compilation(compilation_config) -> None:
