@@ -19,7 +19,6 @@ from test_npu_target import LLM, NPU
 
 from vllm_runs import HERE, PROMPTS, run_script
 
-RUNTIME_SLACK = 4096  # bytes
 GRAPHS = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "enforce_eager": False,
           "max_num_seqs": 8}
 
@@ -72,10 +71,9 @@ def test_wake_up_brings_every_byte_back(sleep_run):
     for woken in ("level1_woken", "level2_woken"):
         assert _tagged(memory[woken]) == _tagged(memory["awake"])
         assert memory[woken]["host_copy_bytes"] == 0
-        # Untagged runtime allocations (a few scalars, e.g. around reload_weights) may differ
-        # by some bytes between the two wake-ups; the tagged bytes are equal exactly (above).
-        assert abs(memory[woken]["memory_allocated"]
-                   - memory["level1_woken"]["memory_allocated"]) <= RUNTIME_SLACK
+        # Every tagged byte is back (above, exactly) on top of what stayed while asleep.
+        # Untagged runtime allocations (sampler and graph scratch, reload_weights) come and go
+        # between the stages, so the totals are not compared for equality.
         assert memory[woken]["memory_allocated"] >= (
             memory["level1_asleep"]["memory_allocated"] + sum(_tagged(memory["awake"])))
     # Partway through a level-2 wake-up: weights back (and reloaded), the KV cache not.
