@@ -63,7 +63,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
 from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
 
-from ascend_core.attention import ASCEND_MLA_NAME
+from ascend_core.attention import ASCEND_MLA_NAME, configuration_problems
 from ascend_core.attention.npu_attention import is_padded_uniform
 
 
@@ -523,27 +523,7 @@ def select_mla_backend(selected_backend, config, path: str) -> str:
         raise NotImplementedError(
             "Sparse MLA (DeepSeek-V3.2's indexer) is not supported by the Ascend MLA backend."
         )
-    reasons = AscendMLABackend.validate_configuration(
-        head_size=config.head_size,
-        dtype=config.dtype,
-        kv_cache_dtype=config.kv_cache_dtype,
-        block_size=config.block_size,
-        use_mla=True,
-        has_sink=config.has_sink,
-        use_sparse=config.use_sparse,
-        use_mm_prefix=config.use_mm_prefix,
-        use_per_head_quant_scales=config.use_per_head_quant_scales,
-        device_capability=None,
-        attn_type=config.attn_type,
-        has_sliding_window=config.has_sliding_window,
-        use_non_causal=config.use_non_causal,
-        use_batch_invariant=config.use_batch_invariant,
-        use_kv_connector=config.use_kv_connector,
-        use_pcp=config.use_pcp,
-        use_adaptive_verification=config.use_adaptive_verification,
-        use_dcp=config.use_dcp,
-        use_rswa=config.use_rswa,
-    )
+    reasons = configuration_problems(AscendMLABackend, config)
     if reasons:
         raise ValueError(
             f"The Ascend MLA backend cannot run this model's attention ({config}): "

@@ -192,7 +192,11 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         attn_selector_config: AttentionSelectorConfig,
         num_heads: int | None = None,
     ) -> str:
-        from ascend_core.attention import ASCEND_ATTN_BACKEND, register_attention_backends
+        from ascend_core.attention import (
+            ASCEND_ATTN_BACKEND,
+            configuration_problems,
+            register_attention_backends,
+        )
         from ascend_core.attention.npu_attention import AscendAttentionBackend
 
         config = attn_selector_config
@@ -206,27 +210,7 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         if selected_backend is not None and selected_backend.name != ours:
             logger.info("npu target: attention backend %s is not available; using %s.",
                         selected_backend.name, ours)
-        reasons = AscendAttentionBackend.validate_configuration(
-            head_size=config.head_size,
-            dtype=config.dtype,
-            kv_cache_dtype=config.kv_cache_dtype,
-            block_size=config.block_size,
-            use_mla=config.use_mla,
-            has_sink=config.has_sink,
-            use_sparse=config.use_sparse,
-            use_mm_prefix=config.use_mm_prefix,
-            use_per_head_quant_scales=config.use_per_head_quant_scales,
-            device_capability=None,
-            attn_type=config.attn_type,
-            has_sliding_window=config.has_sliding_window,
-            use_non_causal=config.use_non_causal,
-            use_batch_invariant=config.use_batch_invariant,
-            use_kv_connector=config.use_kv_connector,
-            use_pcp=config.use_pcp,
-            use_adaptive_verification=config.use_adaptive_verification,
-            use_dcp=config.use_dcp,
-            use_rswa=config.use_rswa,
-        )
+        reasons = configuration_problems(AscendAttentionBackend, config)
         if reasons:
             raise ValueError(
                 f"The Ascend attention backend cannot run this model's attention ({config}): "
