@@ -63,19 +63,24 @@ def reference_torch_npu():
     torch_npu_module.cache_clear()
 
 
-@pytest.fixture
-def calls(reference_torch_npu, monkeypatch):
-    """Counts the calls of each torch_npu op (each still runs the reference)."""
+def count_calls(module, names, monkeypatch) -> Counter:
+    """Counts the calls of each of ``module``'s functions ``names`` (each still runs)."""
     seen = Counter()
-    for name in OPS:
-        real = getattr(reference_torch_npu, name)
+    for name in names:
+        real = getattr(module, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
             seen[_name] += 1
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(reference_torch_npu, name, spy)
+        monkeypatch.setattr(module, name, spy)
     return seen
+
+
+@pytest.fixture
+def calls(reference_torch_npu, monkeypatch):
+    """Counts the calls of each torch_npu op (each still runs the reference)."""
+    return count_calls(reference_torch_npu, OPS, monkeypatch)
 
 
 def schemes(name, options):

@@ -8,17 +8,14 @@ same checkpoint tensors, routed by plain torch (softmax, top-k, renormalisation)
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from test_moe_scheme import INTER, TOPK, E, H, expert_tensors, gen
+from test_npu_schemes import count_calls, reference_torch_npu  # noqa: F401 - fixture
 
-from ascend_kernels.dispatch import torch_npu_module
 from ascend_quant.errors import QuantConfigError
 from ascend_quant.lookup import scheme_class
 from ascend_quant.schemes import MODELSLIM, SchemeOptions
@@ -32,37 +29,19 @@ OPS = ("npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_grouped_matm
 NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-@pytest.fixture(scope="module")
-def reference_npu():
+@pytest.fixture(scope="module", autouse=True)
+def transformers_without_torch_npu():
+    """transformers decides once whether torch_npu exists: before the reference (the
+    ``reference_torch_npu`` fixture, set up after this one) is importable."""
     from transformers.utils import import_utils
 
-    # transformers decides once whether torch_npu exists: before the reference is importable.
     import_utils.is_torch_npu_available()
     import_utils.is_torch_npu_available(check_device=True)
-    sys.path.insert(0, str(REFERENCE_TORCH_NPU))
-    importlib.invalidate_caches()
-    torch_npu_module.cache_clear()
-    module = torch_npu_module()
-    assert module is not None and "reference" in module.__version__
-    yield module
-    if "torch_npu" in sys.modules:
-        importlib.import_module("torch_npu._reference").uninstall()
-    sys.path.remove(str(REFERENCE_TORCH_NPU))
-    torch_npu_module.cache_clear()
 
 
 @pytest.fixture
-def calls(reference_npu, monkeypatch):
-    seen = Counter()
-    for name in OPS:
-        real = getattr(reference_npu, name)
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            seen[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(reference_npu, name, spy)
-    return seen
+def calls(request, monkeypatch):
+    return count_calls(request.getfixturevalue("reference_torch_npu"), OPS, monkeypatch)
 
 
 def moe_config(**parallel):
@@ -188,7 +167,8 @@ def test_the_platform_decides_the_routing(monkeypatch):
         assert method.is_monolithic is monolithic
 
 
-def test_host_routing_keeps_vllms_router(reference_npu):
+@pytest.mark.usefixtures("reference_torch_npu")
+def test_host_routing_keeps_vllms_router():
     method, layer = served("cpu", route_here=False)
     assert set(runtime_weights(layer)) == {"w13", "w13_scale", "w2", "w2_scale"}
     with pytest.raises(QuantConfigError, match="routed by vLLM's router"):
@@ -200,8 +180,8 @@ def test_host_routing_keeps_vllms_router(reference_npu):
     ({"routing_sink": torch.zeros(1)}, "a routing sink"),
     ({"apply_router_weight_on_input": True}, "apply_router_weight_on_input"),
 ])
-def test_routing_the_npu_target_does_not_serve_is_refused_at_load(reference_npu, routing,
-                                                                  message):
+@pytest.mark.usefixtures("reference_torch_npu")
+def test_routing_the_npu_target_does_not_serve_is_refused_at_load(routing, message):
     with pytest.raises(QuantConfigError, match=f"does not serve {message}.*"
                                                "VLLM_ASCEND_TARGET=host"):
         served("npu", route_here=True, **routing)
