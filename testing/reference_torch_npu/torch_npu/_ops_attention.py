@@ -50,6 +50,15 @@ def _require_int(name: str, value) -> int:
     return value
 
 
+def _check_block_table(block_table, batch: int) -> None:
+    _require_tensor("block_table", block_table)
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 \
+            or block_table.shape[0] != batch:
+        raise ValueError(f"block_table has dtype {block_table.dtype} and shape "
+                         f"{tuple(block_table.shape)}; it must be int32 [B={batch}, "
+                         "max blocks per batch].")
+
+
 # --- npu_scatter_pa_kv_cache --------------------------------------------------------------
 
 
@@ -309,12 +318,7 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     if block_table is None:
         raise NotImplementedError("attention over dense key/value (no block_table) is not "
                                   "modelled; the reference models page attention.")
-    _require_tensor("block_table", block_table)
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 \
-            or block_table.shape[0] != batch:
-        raise ValueError(f"block_table has dtype {block_table.dtype} and shape "
-                         f"{tuple(block_table.shape)}; it must be int32 [B={batch}, "
-                         "max blocks per batch].")
+    _check_block_table(block_table, batch)
     block = _require_int("block_size", block_size)
     if q_s == 1:
         if block <= 0 or block % 16:
@@ -526,12 +530,7 @@ def _mla_page_attention(given: dict):
     if block_table is None:
         raise ValueError("the MLA form (query D 512 with rope) needs page attention: pass "
                          "block_table and block_size.")
-    _require_tensor("block_table", block_table)
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 \
-            or block_table.shape[0] != batch:
-        raise ValueError(f"block_table has dtype {block_table.dtype} and shape "
-                         f"{tuple(block_table.shape)}; it must be int32 [B={batch}, "
-                         "max blocks per batch].")
+    _check_block_table(block_table, batch)
     block = _require_int("block_size", given["block_size"])
     if block not in _MLA_BLOCK_SIZES:
         raise ValueError(f"block_size={block}; the MLA form takes {list(_MLA_BLOCK_SIZES)}.")
