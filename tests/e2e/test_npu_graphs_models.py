@@ -78,6 +78,24 @@ def assert_eager(result: dict) -> None:
     assert len({tuple(ids) for ids in result["token_ids"]}) > 1
 
 
+def assert_graphs_keep_greedy_tokens(model, eager: dict, mode: str, *,
+                                     full_captured: bool = False) -> dict:
+    """``model`` run under ``mode`` replays its graphs and gives ``eager``'s tokens; with
+    ``full_captured`` FULL_AND_PIECEWISE must have captured and replayed FULL graphs."""
+    result = run(model, NPU, **graphs(mode))
+    assert_on_npu(result)
+    if mode == "PIECEWISE":
+        assert set(counts(result)) == {"PIECEWISE"}
+        assert_piecewise_replays(result, layers=2)
+    else:
+        assert_full_and_piecewise_replays(result, layers=2)
+        if full_captured:
+            full = counts(result)["FULL"]
+            assert full["graphs"] == CAPTURED_SIZES and full["replays"] > 0
+    assert result["token_ids"] == eager["token_ids"]
+    return result
+
+
 # --- MoE --------------------------------------------------------------------------------------
 
 
@@ -95,25 +113,12 @@ def qwen3_moe_eager(qwen3_moe) -> dict:
     return result
 
 
-def test_moe_model_with_piecewise_graphs_keeps_greedy_tokens(qwen3_moe, qwen3_moe_eager):
-    result = run(qwen3_moe, NPU, **graphs("PIECEWISE"))
-    assert_on_npu(result)
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_moe_model_with_graphs_keeps_greedy_tokens(qwen3_moe, qwen3_moe_eager, mode):
+    result = assert_graphs_keep_greedy_tokens(qwen3_moe, qwen3_moe_eager, mode,
+                                              full_captured=True)
     (worker,) = result["workers"]
     assert "AscendUnquantizedFusedMoEMethod" in worker["layer_classes"]
-    assert set(counts(result)) == {"PIECEWISE"}
-    assert_piecewise_replays(result, layers=2)
-    assert result["token_ids"] == qwen3_moe_eager["token_ids"]
-
-
-def test_moe_model_with_full_and_piecewise_graphs_keeps_greedy_tokens(qwen3_moe,
-                                                                      qwen3_moe_eager):
-    result = run(qwen3_moe, NPU, **graphs("FULL_AND_PIECEWISE"))
-    assert_on_npu(result)
-    assert_full_and_piecewise_replays(result, layers=2)
-    # The Ascend attention backend captures uniform decode batches whole.
-    full = counts(result)["FULL"]
-    assert full["graphs"] == CAPTURED_SIZES and full["replays"] > 0
-    assert result["token_ids"] == qwen3_moe_eager["token_ids"]
 
 
 # --- W8A8 (compressed-tensors) ----------------------------------------------------------------
@@ -136,23 +141,9 @@ def w8a8_eager(w8a8_checkpoint) -> dict:
     return result
 
 
-def test_w8a8_checkpoint_with_piecewise_graphs_keeps_greedy_tokens(w8a8_checkpoint,
-                                                                   w8a8_eager):
-    result = run(w8a8_checkpoint, NPU, **graphs("PIECEWISE"))
-    assert_on_npu(result)
-    assert set(counts(result)) == {"PIECEWISE"}
-    assert_piecewise_replays(result, layers=2)
-    assert result["token_ids"] == w8a8_eager["token_ids"]
-
-
-def test_w8a8_checkpoint_with_full_and_piecewise_graphs_keeps_greedy_tokens(w8a8_checkpoint,
-                                                                            w8a8_eager):
-    result = run(w8a8_checkpoint, NPU, **graphs("FULL_AND_PIECEWISE"))
-    assert_on_npu(result)
-    assert_full_and_piecewise_replays(result, layers=2)
-    full = counts(result)["FULL"]
-    assert full["graphs"] == CAPTURED_SIZES and full["replays"] > 0
-    assert result["token_ids"] == w8a8_eager["token_ids"]
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_w8a8_checkpoint_with_graphs_keeps_greedy_tokens(w8a8_checkpoint, w8a8_eager, mode):
+    assert_graphs_keep_greedy_tokens(w8a8_checkpoint, w8a8_eager, mode, full_captured=True)
 
 
 # --- MLA (DeepSeek-V3) ------------------------------------------------------------------------
@@ -173,16 +164,6 @@ def deepseek_eager(deepseek) -> dict:
     return result
 
 
-def test_mla_model_with_piecewise_graphs_keeps_greedy_tokens(deepseek, deepseek_eager):
-    result = run(deepseek, NPU, **graphs("PIECEWISE"))
-    assert_on_npu(result)
-    assert set(counts(result)) == {"PIECEWISE"}
-    assert_piecewise_replays(result, layers=2)
-    assert result["token_ids"] == deepseek_eager["token_ids"]
-
-
-def test_mla_model_with_full_and_piecewise_graphs_keeps_greedy_tokens(deepseek, deepseek_eager):
-    result = run(deepseek, NPU, **graphs("FULL_AND_PIECEWISE"))
-    assert_on_npu(result)
-    assert_full_and_piecewise_replays(result, layers=2)
-    assert result["token_ids"] == deepseek_eager["token_ids"]
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_mla_model_with_graphs_keeps_greedy_tokens(deepseek, deepseek_eager, mode):
+    assert_graphs_keep_greedy_tokens(deepseek, deepseek_eager, mode)
