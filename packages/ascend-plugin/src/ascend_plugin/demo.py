@@ -1,13 +1,14 @@
 """The main job: serve a model through the plugin on the host target and ask it things.
 
-    python -m ascend_plugin.demo                  # the demo model, built locally
+    python -m ascend_plugin.demo                  # the demo model (models/pycoder-26m)
     python -m ascend_plugin.demo --model PATH     # any checkpoint vLLM can load
     python -m ascend_plugin.demo --serve          # keep serving after the requests
     python -m ascend_plugin.demo --medusa         # with Medusa speculative decoding
 
-The demo model is a tiny random Llama with a tokenizer trained on text from the
-Python installation (no download): its answers are fluent-looking noise, but
-every token went through vLLM and the plugin.
+The demo model is ``pycoder-26m``: a 26M-parameter Llama code model trained here on the
+Python standard library (``tools/train_demo_model.py``; committed under ``models/``, no
+download). It continues Python code; a chat message reaches it as a ``# ...`` comment, after
+which it writes code. Expect plausible standard-library-style Python, not answers.
 
 With ``--medusa`` the base is the same tiny Llama with small initial weights (its greedy
 continuations are learnable several tokens ahead, which a fully random one's are not) and
@@ -24,8 +25,9 @@ import time
 
 from ascend_plugin.serving import chat, complete, counter_totals, running_server
 
-PROMPTS = ["The Python Software Foundation", "def main():"]
-CHAT = ["What is an NPU?", "Write a haiku about vLLM."]
+PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(folder):"]
+CHAT = ["Return the sum of the squares of a list of numbers",
+        "Read a JSON file and return its contents"]
 
 # The Medusa demo: base model fields and training options (the host e2e tests use the same,
 # so both share one cached base and one set of heads).
@@ -59,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint folder or name (default: the demo model)")
     parser.add_argument("--port", type=int, default=None)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--medusa", action="store_true",
                         help="serve the Medusa demo: a tiny base with heads trained here")
     parser.add_argument("--serve", action="store_true",
@@ -86,10 +88,13 @@ def main(argv=None) -> int:
         model, heads = ensure_medusa_demo()
         extra = medusa_server_args(heads) + extra
     elif model is None:
-        from ascend_plugin.tiny_models import ensure_model
+        from ascend_plugin.demo_model import DemoModelError, demo_model_dir
 
-        print("[demo] preparing the demo model (built once, then cached)", flush=True)
-        model = str(ensure_model("llama"))
+        try:
+            model = str(demo_model_dir())
+        except DemoModelError as err:
+            print(f"[demo] error: {err}", file=sys.stderr)
+            return 2
     print(f"[demo] starting vLLM's OpenAI server through the plugin (host target) on {model}",
           flush=True)
     print(f"[demo] server log: {args.log}", flush=True)
