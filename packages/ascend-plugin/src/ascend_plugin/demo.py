@@ -10,10 +10,10 @@ Python standard library (``tools/train_demo_model.py``; committed under ``models
 download). It continues Python code; a chat message reaches it as a ``# ...`` comment, after
 which it writes code. Expect plausible standard-library-style Python, not answers.
 
-With ``--medusa`` the base is the same tiny Llama with small initial weights (its greedy
-continuations are learnable several tokens ahead, which a fully random one's are not) and
-three Medusa heads self-distilled from it by ascend-specdec (about a minute on 2 cores,
-then cached); the demo prints the mean acceptance length the server measured.
+With ``--medusa`` the demo model is served with its three Medusa heads
+(``models/pycoder-26m-medusa``, self-distilled by ``python -m ascend_specdec.train_medusa`` in
+bf16 on standard-library prompts, committed beside it); the demo prints the mean acceptance
+length the server measured.
 """
 
 from __future__ import annotations
@@ -29,26 +29,7 @@ PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(folder):"]
 CHAT = ["Return the sum of the squares of a list of numbers",
         "Read a JSON file and return its contents"]
 
-# The Medusa demo: base model fields and training options (the host e2e tests use the same,
-# so both share one cached base and one set of heads).
-MEDUSA_BASE = {"initializer_range": 0.005}
-MEDUSA_HEADS = 3
-
-
-def medusa_train_options():
-    from ascend_specdec.medusa import TrainOptions
-
-    return TrainOptions(heads=MEDUSA_HEADS, samples=4000, steps=3000, continuation_tokens=64,
-                        seed=0)
-
-
-def ensure_medusa_demo() -> tuple[str, str]:
-    """(base model folder, Medusa heads folder), built and trained once, then cached."""
-    from ascend_plugin.tiny_models import ensure_model
-    from ascend_specdec.medusa import ensure_medusa_heads
-
-    base = ensure_model("llama", **MEDUSA_BASE)
-    return str(base), str(ensure_medusa_heads(base, medusa_train_options()))
+MEDUSA_HEADS = 3  # the committed heads (models/pycoder-26m-medusa) serve k = 3
 
 
 def medusa_server_args(heads: str) -> list[str]:
@@ -63,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--medusa", action="store_true",
-                        help="serve the Medusa demo: a tiny base with heads trained here")
+                        help="serve the demo model with its Medusa heads (k=3)")
     parser.add_argument("--serve", action="store_true",
                         help="keep the server running after the demo requests (Ctrl-C stops)")
     parser.add_argument("--log", default="vllm-demo-server.log",
@@ -77,21 +58,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model = args.model
     extra = [a for a in args.server_args if a != "--"]
-    if args.medusa:
-        if model is not None:
-            print("[demo] error: --medusa serves its own base model and heads; for your "
-                  f"model ({model}) train heads with `python -m ascend_specdec.train_medusa` "
-                  "and pass them after -- as --speculative-config", file=sys.stderr)
-            return 2
-        print("[demo] preparing the Medusa demo: base model and heads (trained once, about "
-              "a minute, then cached)", flush=True)
-        model, heads = ensure_medusa_demo()
-        extra = medusa_server_args(heads) + extra
-    elif model is None:
-        from ascend_plugin.demo_model import DemoModelError, demo_model_dir
+    if args.medusa and model is not None:
+        print("[demo] error: --medusa serves the demo model with its own heads; for your "
+              f"model ({model}) train heads with `python -m ascend_specdec.train_medusa` "
+              "and pass them after -- as --speculative-config", file=sys.stderr)
+        return 2
+    if model is None:
+        from ascend_plugin.demo_model import DemoModelError, demo_medusa_dir, demo_model_dir
 
         try:
             model = str(demo_model_dir())
+            if args.medusa:
+                extra = medusa_server_args(str(demo_medusa_dir())) + extra
         except DemoModelError as err:
             print(f"[demo] error: {err}", file=sys.stderr)
             return 2

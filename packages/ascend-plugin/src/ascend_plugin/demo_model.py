@@ -21,6 +21,7 @@ from pathlib import Path
 
 DEMO_MODEL_ENV = "ASCEND_PLUGIN_DEMO_MODEL"
 DEMO_MODEL_NAME = "pycoder-26m"
+MEDUSA_NAME = f"{DEMO_MODEL_NAME}-medusa"  # its Medusa heads, committed beside it
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 HELD_OUT_FILE = "held_out.jsonl"  # held-out text the benchmarks and tests prompt with
 
@@ -46,6 +47,17 @@ def demo_model_dir() -> Path:
             f"as models/{DEMO_MODEL_NAME}: run from a checkout, set {DEMO_MODEL_ENV} to that "
             "folder, or pass --model PATH")
     check_model_files(folder)
+    return folder
+
+
+def demo_medusa_dir() -> Path:
+    """The demo model's Medusa heads (beside the model's folder), checked whole."""
+    folder = demo_model_dir().parent / MEDUSA_NAME
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).is_file():
+            raise DemoModelError(f"Medusa heads file {folder / name} is missing; restore it "
+                                 f"with `git checkout -- models/{MEDUSA_NAME}`")
+    check_safetensors_whole(folder / "model.safetensors")
     return folder
 
 
@@ -87,11 +99,51 @@ def check_safetensors_whole(path: Path) -> None:
                              f"{expected} bytes, the file has {size}; {hint}")
 
 
-def held_out_texts(folder: Path | None = None) -> list[dict]:
-    """Held-out samples (``{"path", "text"}``) stored beside the demo model."""
+def held_out_split(folder: Path | None = None) -> dict[str, list[str]]:
+    """The model's held-out files in two halves (alternate paths in sorted order): ``dev``
+    for fitting things to the model (its Medusa heads' prompts), ``test`` for measuring."""
+    folder = folder or demo_model_dir()
+    record = json.loads((folder / "training.json").read_text(encoding="utf-8"))
+    paths = sorted(record["corpus"]["held_out_paths"])
+    return {"dev": paths[0::2], "test": paths[1::2]}
+
+
+def held_out_texts(folder: Path | None = None, split: str = "test") -> list[dict]:
+    """Held-out samples (``{"path", "offset", "text"}``) of one half of the held-out files,
+    stored beside the demo model (two per file: its start and a chunk from its middle)."""
     folder = folder or demo_model_dir()
     path = folder / HELD_OUT_FILE
     if not path.is_file():
         raise DemoModelError(f"{path} is missing; regenerate it with `python "
                              f"tools/train_demo_model.py describe --model {folder} --corpus ...`")
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    paths = set(held_out_split(folder)[split])
+    samples = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    return [sample for sample in samples if sample["path"] in paths]
+
+
+def distillation_prompt_text(folder: Path | None = None) -> Path:
+    """A text file of the ``dev`` half of the held-out files (read from this Python's standard
+    library), written once: prompts for self-distilling Medusa heads on text the model did not
+    memorise in training, while the ``test`` half stays unseen for measurements."""
+    import sysconfig
+
+    folder = folder or demo_model_dir()
+    record = json.loads((folder / "training.json").read_text(encoding="utf-8"))
+    cache = Path(os.environ.get("ASCEND_PLUGIN_MODEL_CACHE")
+                 or "~/.cache/ascend-plugin/models").expanduser()
+    target = cache / f"{DEMO_MODEL_NAME}-dev-text-{record['corpus']['sha256'][:12]}.txt"
+    if target.is_file():
+        return target
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts = []
+    for rel in held_out_split(folder)["dev"]:
+        source = stdlib / rel
+        if source.is_file():  # "<compiled>/..." documents have no source file
+            parts.append(source.read_text(encoding="utf-8"))
+    if not parts:
+        raise DemoModelError(f"none of the dev held-out files of {folder} are in {stdlib}")
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    partial.write_text("".join(parts), encoding="utf-8")
+    partial.rename(target)
+    return target
