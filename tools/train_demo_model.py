@@ -81,6 +81,8 @@ def _module_docs(name: str) -> str | None:
         if attr.startswith("_"):
             continue
         value = getattr(module, attr)
+        if name == "sys":  # test runners replace sys's hooks; sys keeps the originals
+            value = getattr(module, f"__{attr}__", value)
         doc = getattr(value, "__doc__", None)
         if not isinstance(doc, str) or not doc.strip() or not callable(value):
             continue

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 
 def run_demo(*args: str, log) -> str:
@@ -46,3 +47,13 @@ def test_demo_with_medusa_reports_acceptance(tmp_path):
     log = (tmp_path / "server.log").read_text()
     assert "Ascend plugin active: host target" in log
     assert heads in log and base in log
+
+
+def test_training_the_demo_model_without_a_gpu_says_how_to_train_on_the_cpu(tmp_path):
+    script = Path(__file__).resolve().parents[2] / "tools" / "train_demo_model.py"
+    proc = subprocess.run([sys.executable, str(script), "train", "--corpus", "unused",
+                           "--out", str(tmp_path / "model")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "no CUDA GPU is visible" in proc.stderr and "--device cpu" in proc.stderr
+    assert not (tmp_path / "model").exists()
