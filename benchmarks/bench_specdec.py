@@ -259,18 +259,6 @@ def gaps_at(positions: list[int | None], gaps: list[list[float]] | None) -> list
     return [None if p is None else gaps[i][p] for i, p in enumerate(positions)]
 
 
-def demo_prompts(count: int = 8, chars: int = 400) -> list[str]:
-    """Starts of chunks from the middle of the demo model's held-out test files, cut at a line
-    end without its newline (the tokenizer joins a newline with the indentation after it)."""
-    from ascend_plugin.demo_model import held_out_texts
-
-    prompts = []
-    for sample in held_out_texts()[1::2][:count]:
-        text = sample["text"][:chars]
-        prompts.append(text[: text.rfind("\n")] if "\n" in text else text)
-    return prompts
-
-
 def run_proposers(heads: str, options: argparse.Namespace) -> dict:
     args = {"heads": heads, "dtype": options.dtype, "batches": list(BATCHES)}
     print("[bench_specdec] Medusa proposers alone...", file=sys.stderr, flush=True)
@@ -384,10 +372,10 @@ def main() -> None:
     llama_methods = [m for m in methods if m != "mtp"]
     prompts = PROMPTS
     if options.target == "demo":
-        from ascend_plugin.demo_model import demo_model_dir
+        from ascend_plugin.demo_model import demo_model_dir, held_out_prompts
 
         base, base_args, std = str(demo_model_dir()), {"trained": "pycoder-26m"}, 0.02
-        prompts = demo_prompts()
+        prompts = held_out_prompts()
     else:
         base = str(ensure_model("llama", **base_args)) if llama_methods else None
     models: dict = {"llama target": None if base is None else {
@@ -520,7 +508,8 @@ def main() -> None:
                     for r in results],
         "total_seconds": time.monotonic() - started,
     }
-    stem = options.out or ("specdec_decode_quick" if options.quick else "specdec_decode")
+    stem = options.out or ("specdec_decode_quick" if options.quick else "specdec_decode") + (
+        "_demo" if options.target == "demo" else "")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = markdown(summary, options, report, train)
@@ -661,11 +650,15 @@ def markdown(summary: dict, options: argparse.Namespace, report: dict | None,
         "\"ours / stock\": the plugin's row against stock vLLM's row of the same method, each "
         "on its own stack; the two stacks also differ without speculation (compare the two "
         "no-speculation rows). n-gram drafts only where the context repeats, so few steps "
-        "draft. In bfloat16 the logits of these models are small (std about 0.02) and "
-        "near-ties are common: verifying several tokens at once rounds differently from "
-        "one-token steps, so a speculative run can leave the no-speculation path at a tie "
-        "(stock vLLM's as well as ours); in float32 the e2e tests (tests/e2e/test_medusa.py, "
-        "test_ngram_suffix.py, test_eagle_mtp.py) find outputs equal.",
+        "draft. "
+        + ("On the trained model a bf16 run parts from the no-speculation path only where "
+           "two logits nearly tie; the last column counts the requests that stayed equal and "
+           "gives the gap wherever one parts." if demo else
+           "In bfloat16 the logits of these models are small (std about 0.02) and "
+           "near-ties are common: verifying several tokens at once rounds differently from "
+           "one-token steps, so a speculative run can leave the no-speculation path at a tie "
+           "(stock vLLM's as well as ours); in float32 the e2e tests (tests/e2e/test_medusa.py, "
+           "test_ngram_suffix.py, test_eagle_mtp.py) find outputs equal."),
         "",
     ]
     return lines

@@ -21,19 +21,9 @@ NEAR_TIE = 0.1  # nats
 BF16 = {"dtype": "bfloat16", "disable_log_stats": False, "max_model_len": 1024}
 
 
-def held_out_prompts(count: int = 8, chars: int = 400) -> list[str]:
-    """Starts of held-out files, cut at a line end without its newline: the tokenizer joins
-    a newline with the indentation after it, so a prompt never ends on a bare newline."""
-    from ascend_plugin.demo_model import held_out_texts
-
-    prompts = []
-    for sample in held_out_texts()[1::2][:count]:
-        text = sample["text"][:chars]
-        prompts.append(text[: text.rfind("\n")] if "\n" in text else text)
-    return prompts
-
-
 def run(model, **llm) -> dict:
+    from ascend_plugin.demo_model import held_out_prompts
+
     return run_vllm({"model": model, "prompts": held_out_prompts(), "max_tokens": MAX_TOKENS,
                      "sampling": {"logprobs": 2}, "llm": {**BF16, **llm}}, HOST)
 
@@ -73,26 +63,25 @@ def test_the_trained_model_is_confident_where_a_random_one_is_flat(plain):
     assert sum(chosen) / len(chosen) > -1.0
 
 
+def check(result, plain, label: str, min_length: float) -> None:
+    """Our proposer ran, accepted at least ``min_length``, and at most two requests parted
+    from ``plain``, each at a near-tie."""
+    assert result["workers"][0]["proposer_source"] == "ascend"
+    length = acceptance_length(result)
+    parted = partings(result, plain)
+    print(f"\n{label} bf16: acceptance length {length:.2f}, parted {parted}")
+    assert length >= min_length
+    assert len(parted) <= 2 and all(gap < NEAR_TIE for _, _, gap in parted), parted
+
+
 def test_medusa_heads_in_bf16_accept_and_keep_greedy_tokens(model, plain):
     from ascend_plugin.demo_model import demo_medusa_dir
 
     spec = {"method": "medusa", "model": str(demo_medusa_dir()), "num_speculative_tokens": K}
-    result = run(model, speculative_config=spec)
-    assert result["workers"][0]["proposer_source"] == "ascend"
-    length = acceptance_length(result)
-    parted = partings(result, plain)
-    print(f"\nMedusa bf16: acceptance length {length:.2f}, parted {parted}")
-    assert length >= 1.4  # measured 1.47
-    assert len(parted) <= 2 and all(gap < NEAR_TIE for _, _, gap in parted), parted
+    check(run(model, speculative_config=spec), plain, "Medusa", 1.4)  # measured 1.47
 
 
 def test_ngram_in_bf16_accepts_and_keeps_greedy_tokens(model, plain):
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
             "prompt_lookup_max": 4}
-    result = run(model, speculative_config=spec)
-    assert result["workers"][0]["proposer_source"] == "ascend"
-    length = acceptance_length(result)
-    parted = partings(result, plain)
-    print(f"\nn-gram bf16: acceptance length {length:.2f}, parted {parted}")
-    assert length >= 2.2  # measured 2.45
-    assert len(parted) <= 2 and all(gap < NEAR_TIE for _, _, gap in parted), parted
+    check(run(model, speculative_config=spec), plain, "n-gram", 2.2)  # measured 2.45

@@ -121,6 +121,17 @@ def held_out_texts(folder: Path | None = None, split: str = "test") -> list[dict
     return [sample for sample in samples if sample["path"] in paths]
 
 
+def held_out_prompts(count: int = 8, chars: int = 400) -> list[str]:
+    """Prompts from the middle chunks of the test half of the held-out files: the first
+    ``chars`` characters, cut at a line end without its newline (the tokenizer joins a
+    newline with the indentation after it, so a prompt never ends on a bare newline)."""
+    prompts = []
+    for sample in held_out_texts()[1::2][:count]:
+        text = sample["text"][:chars]
+        prompts.append(text[: text.rfind("\n")] if "\n" in text else text)
+    return prompts
+
+
 def distillation_prompt_text(folder: Path | None = None) -> Path:
     """A text file of the ``dev`` half of the held-out files (read from this Python's standard
     library), written once: prompts for self-distilling Medusa heads on text the model did not

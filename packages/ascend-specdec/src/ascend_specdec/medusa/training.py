@@ -129,18 +129,17 @@ class TrainResult:
 # ---------------------------------------------------------------------------------- data
 
 
-def random_prompts(count: int, options: TrainOptions, sample_ids: torch.Tensor,
-                   bos_token_id: int | None, generator: torch.Generator,
-                   ) -> list[torch.Tensor]:
-    """``count`` prompts as batches [b, P] of equal length (one length per batch)."""
+def _prompt_batches(count: int, options: TrainOptions, bos_token_id: int | None,
+                    generator: torch.Generator, pick) -> list[torch.Tensor]:
+    """``count`` prompts as batches [b, P] of equal length (one random length per batch);
+    ``pick(size, length)`` gives a batch's token ids [size, length]."""
     batches = []
     remaining = count
     while remaining:
         size = min(options.generation_batch, remaining)
         length = int(torch.randint(options.min_prompt_tokens, options.max_prompt_tokens + 1,
                                    (1,), generator=generator))
-        picks = torch.randint(0, sample_ids.numel(), (size, length), generator=generator)
-        prompts = sample_ids[picks]
+        prompts = pick(size, length)
         if bos_token_id is not None:
             bos = torch.full((size, 1), bos_token_id, dtype=prompts.dtype)
             prompts = torch.cat([bos, prompts], dim=1)
@@ -149,27 +148,29 @@ def random_prompts(count: int, options: TrainOptions, sample_ids: torch.Tensor,
     return batches
 
 
+def random_prompts(count: int, options: TrainOptions, sample_ids: torch.Tensor,
+                   bos_token_id: int | None, generator: torch.Generator,
+                   ) -> list[torch.Tensor]:
+    """Prompts of random tokens drawn from ``sample_ids``."""
+    def pick(size: int, length: int) -> torch.Tensor:
+        return sample_ids[torch.randint(0, sample_ids.numel(), (size, length),
+                                        generator=generator)]
+
+    return _prompt_batches(count, options, bos_token_id, generator, pick)
+
+
 def text_prompts(count: int, options: TrainOptions, text_ids: torch.Tensor,
                  bos_token_id: int | None, generator: torch.Generator) -> list[torch.Tensor]:
-    """``count`` windows of ``text_ids`` [N] as batches [b, P] (one random length per batch)."""
-    batches = []
-    remaining = count
-    while remaining:
-        size = min(options.generation_batch, remaining)
-        length = int(torch.randint(options.min_prompt_tokens, options.max_prompt_tokens + 1,
-                                   (1,), generator=generator))
+    """Prompts that are windows of ``text_ids`` [N] at random offsets."""
+    def pick(size: int, length: int) -> torch.Tensor:
         if text_ids.numel() <= length:
             raise ValueError(f"prompt text of {text_ids.numel()} tokens is shorter than a "
                              f"{length}-token prompt; give more text or lower "
                              "--max-prompt-tokens")
         starts = torch.randint(0, text_ids.numel() - length, (size,), generator=generator)
-        prompts = text_ids[starts[:, None] + torch.arange(length)]
-        if bos_token_id is not None:
-            prompts = torch.cat([torch.full((size, 1), bos_token_id, dtype=prompts.dtype),
-                                 prompts], dim=1)
-        batches.append(prompts)
-        remaining -= size
-    return batches
+        return text_ids[starts[:, None] + torch.arange(length)]
+
+    return _prompt_batches(count, options, bos_token_id, generator, pick)
 
 
 def distillation_rows(tokens: torch.Tensor, hidden: torch.Tensor, prompt_len: int,
