@@ -118,7 +118,8 @@ def build_corpus() -> list[dict]:
             continue
         if text.strip():
             docs.append({"path": rel, "text": text})
-    dynload = Path(sysconfig.get_paths()["platstdlib"]) / "lib-dynload"
+    # Beside the sources, not under platstdlib: inside a virtualenv that names the venv.
+    dynload = stdlib / "lib-dynload"
     compiled = set(sys.builtin_module_names)
     compiled.update(p.name.split(".")[0] for p in dynload.glob("*.so"))
     for name in sorted(compiled):

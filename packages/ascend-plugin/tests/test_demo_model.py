@@ -28,7 +28,9 @@ def test_demo_model_is_the_committed_trained_llama():
     assert (folder / "model.safetensors").stat().st_size <= 55 * 2**20
     # It learned something: held-out loss far below the unigram baseline of the same tokens.
     assert record["held_out"]["loss_bf16_weights"] < record["held_out"]["unigram_loss"] - 3
-    assert len(demo_model.held_out_texts(folder)) >= 100
+    test, dev = (demo_model.held_out_texts(folder, split=name) for name in ("test", "dev"))
+    assert len(test) >= 50 and len(dev) >= 50
+    assert not {s["path"] for s in test} & {s["path"] for s in dev}
 
 
 def test_env_var_points_elsewhere_and_a_missing_folder_is_named(monkeypatch, tmp_path):
