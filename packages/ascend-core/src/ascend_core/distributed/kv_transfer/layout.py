@@ -56,18 +56,25 @@ class KVLayout:
                 tuple((p.layer, p.run_bytes) for p in self.planes))
 
 
-def _block_dim(tensor: torch.Tensor, num_blocks: int, layer: str) -> int:
+def _blocks_view(tensor: torch.Tensor, num_blocks: int, layer: str) -> tuple[torch.Tensor, int]:
+    """The tensor (regrouped if needed) and its block dimension. vLLM's per-layer views put
+    blocks first; kernel blocks smaller than the manager's make dim 0 a multiple of
+    ``num_blocks``, regrouped here so that one block is one manager block."""
+    if tensor.dim() and tensor.shape[0] == num_blocks:
+        return tensor, 0
     dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
-    if len(dims) != 1:
-        raise KVLayoutError(
-            f"KV cache of layer {layer!r} has shape {tuple(tensor.shape)}: expected exactly "
-            f"one dimension of size num_blocks={num_blocks}, found {len(dims)}")
-    return dims[0]
+    if len(dims) == 1:
+        return tensor, dims[0]
+    if not dims and tensor.dim() and tensor.shape[0] % num_blocks == 0:
+        return tensor.unflatten(0, (num_blocks, -1)), 0
+    raise KVLayoutError(
+        f"KV cache of layer {layer!r} has shape {tuple(tensor.shape)}: expected blocks "
+        f"(num_blocks={num_blocks}) in dimension 0 or in exactly one dimension")
 
 
 def layer_planes(layer: str, tensor: torch.Tensor, num_blocks: int) -> list[Plane]:
     """The planes of one layer's cache tensor (any dimension order, views allowed)."""
-    block_dim = _block_dim(tensor, num_blocks, layer)
+    tensor, block_dim = _blocks_view(tensor, num_blocks, layer)
     item = tensor.element_size()
     others = sorted((d for d in range(tensor.dim()) if d != block_dim),
                     key=lambda d: tensor.stride(d))

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ascend_core.distributed.kv_transfer.layout import describe_kv_caches, memory_regions
 from ascend_core.distributed.kv_transfer.leases import LeaseTable
@@ -125,6 +126,8 @@ def _default_protocol() -> str:
 
 
 class MooncakeConnectorV1(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
