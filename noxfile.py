@@ -199,6 +199,8 @@ def demo(session: nox.Session) -> None:
     _install_torch(session)
     _install_vllm(session)
     session.install(*_local(*ALL))
+    if "--pd" in session.posargs:  # the Mooncake transfer engine
+        session.install(f"{PACKAGES / 'ascend-plugin'}[pd-host]")
     session.run("python", "-m", "ascend_plugin.demo", *session.posargs)
 
 
