@@ -22,17 +22,21 @@ import pytest
 from ascend_plugin.pd_serving import running_pd
 from ascend_plugin.serving import counter_totals, free_port, post_json, server_command
 
+from pd_runs import (
+    ALL_PROMPTS,
+    LONG_PROMPT,
+    MAX_TOKENS,
+    MODEL,
+    completion,
+    counters,
+    kv_cache_usage,
+    text,
+    wait_for,
+)
 from vllm_runs import PROMPTS, vllm_environment
 
-MODEL = str(pathlib.Path(__file__).resolve().parents[2] / "models" / "pycoder-26m")
-LONG_PROMPT = "".join(f"def function_{i}(value):\n    return value * {i}\n\n"
-                      for i in range(24))  # about 300 tokens: three blocks to pull
-ALL_PROMPTS = [*PROMPTS, LONG_PROMPT]
-MAX_TOKENS = 16
 LEASE_TIMEOUT_S = 15
 SIDE_CHANNEL_TIMEOUT_S = 3
-COUNTERS = ["vllm:ascend_pd_pulls", "vllm:ascend_pd_failed_pulls",
-            "vllm:ascend_pd_expired_leases", "vllm:ascend_pd_pulled_bytes"]
 
 
 @pytest.fixture(scope="module")
@@ -45,38 +49,10 @@ def pd(tmp_path_factory):
         yield deployment
 
 
-def completion(url: str, prompt: str, **fields) -> dict:
-    return post_json(url + "/v1/completions",
-                     {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                      "temperature": 0.0, **fields})
-
-
-def text(reply: dict) -> str:
-    return reply["choices"][0]["text"]
-
-
 @pytest.fixture(scope="module")
 def reference(pd) -> dict[str, str]:
     """The colocated answers: the prefill server serving normally."""
     return {prompt: text(completion(pd.prefill, prompt)) for prompt in ALL_PROMPTS}
-
-
-def counters(url: str) -> dict[str, float]:
-    return counter_totals(url, COUNTERS)
-
-
-def kv_cache_usage(url: str) -> float:
-    return counter_totals(url, ["vllm:kv_cache_usage_perc"])["vllm:kv_cache_usage_perc"]
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{what} within {timeout} s")
 
 
 def prefilled(pd, prompt: str) -> dict:

@@ -89,6 +89,39 @@ def test_read_plan_merges_runs_consecutive_on_both_sides():
     assert lengths == [128, 64, 64]
 
 
+def test_two_prefill_ranks_fill_the_halves_of_a_head_major_block():
+    # vLLM's CPU cache: [blocks, kv heads, 2 * block_size (K rows, then V rows), head size].
+    decode = torch.zeros(4, 2, 32, 8)
+    ranks = [torch.full((4, 1, 32, 8), float(r + 1)) for r in range(2)]
+    local = describe_kv_caches({"l": decode}, 4, 16, num_kv_heads=2)
+    assert local.planes[0].head_major
+    for index, cache in enumerate(ranks):
+        remote = describe_kv_caches({"l": cache}, 4, 16, num_kv_heads=1)
+        check_compatible(local, remote, "p:1", tp_ratio=2)
+        addrs, remote_addrs, lengths = read_plan(local, remote, [1, 2], [3, 0], 2, index)
+        half = 32 * 8 * 4
+        assert addrs == [decode[1].data_ptr() + index * half, decode[2].data_ptr() + index * half]
+        assert remote_addrs == [cache[3].data_ptr(), cache[0].data_ptr()]
+        assert lengths == [half, half]
+    # Without the ratio the halves do not fit; a layout whose heads are inner does not split.
+    remote = describe_kv_caches({"l": ranks[0]}, 4, 16, num_kv_heads=1)
+    with pytest.raises(KVLayoutError, match="TP ratio 1"):
+        check_compatible(local, remote, "p:1")
+    token_major = describe_kv_caches({"l": torch.zeros(4, 32, 2, 8)}, 4, 16, num_kv_heads=2)
+    assert not token_major.planes[0].head_major
+    with pytest.raises(KVLayoutError, match="serves a different model"):
+        check_compatible(token_major, describe_kv_caches({"l": torch.zeros(4, 32, 1, 8)}, 4, 16,
+                                                         num_kv_heads=1), "p:1", tp_ratio=2)
+
+
+def test_replicated_planes_are_read_from_the_first_prefill_rank_only():
+    latent = torch.zeros(4, 16, 40)  # MLA: one latent "head", the same on every rank
+    layout = describe_kv_caches({"l": latent}, 4, 16, num_kv_heads=1)
+    check_compatible(layout, layout, "p:1", tp_ratio=2)
+    assert read_plan(layout, layout, [0], [1], 2, 0)[2] == [16 * 40 * 4]
+    assert read_plan(layout, layout, [0], [1], 2, 1) == ([], [], [])
+
+
 def test_layouts_that_differ_are_refused_with_what_to_change():
     caches = {"l0": torch.zeros(8, 2, 16, 8), "l1": torch.zeros(8, 2, 16, 8)}
     mine = describe_kv_caches(caches, 8, 16)
@@ -177,10 +210,13 @@ def test_roles_and_parallel_sizes():
     with pytest.raises(KVTransferParamsError, match=r"prefill.tp_size=2 but this kv_producer "
                                                     r"instance runs with tp_size 1: set it to 1"):
         check_parallel_sizes(options, "kv_producer", tp_size=1, dp_size=1)
-    uneven = parse_options({"prefill": {"tp_size": 2}, "decode": {"tp_size": 1}}, "tcp")
-    with pytest.raises(KVTransferParamsError, match=r"prefill tp_size 2 and decode tp_size 1 "
-                                                    r"differ"):
-        check_parallel_sizes(uneven, "kv_consumer", tp_size=1, dp_size=1)
+    wider_prefill = parse_options({"prefill": {"tp_size": 2}, "decode": {"tp_size": 1}}, "tcp")
+    check_parallel_sizes(wider_prefill, "kv_consumer", tp_size=1, dp_size=1)
+    check_parallel_sizes(wider_prefill, "kv_producer", tp_size=2, dp_size=1)
+    wider_decode = parse_options({"prefill": {"tp_size": 1}, "decode": {"tp_size": 2}}, "tcp")
+    with pytest.raises(KVTransferParamsError, match=r"prefill tp_size 1 is not a multiple of "
+                                                    r"decode tp_size 2"):
+        check_parallel_sizes(wider_decode, "kv_consumer", tp_size=2, dp_size=1)
 
 
 class Clock:

@@ -50,7 +50,7 @@ class Node:
             cache.zero_()
 
     def decode_side(self, timeout_s: float | None = None) -> DecodeSide:
-        return DecodeSide(self.engine, self.layout, tp_rank=0,
+        return DecodeSide(self.engine, self.layout, tp_rank=0, tp_size=1,
                           timeout_s=timeout_s or self.timeout_s)
 
 
@@ -186,3 +186,59 @@ def test_another_models_cache_is_refused_before_any_read(prefill):
     assert untouched(deeper)
     # Refused after the claim: the lease is released, not left to expire.
     assert prefill.leases.take_finished()[0] == {"p-8"}
+
+
+def consecutive_free_ports(count: int) -> int:
+    for _ in range(50):
+        base = free_port()
+        try:
+            socks = []
+            for offset in range(count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind((HOST, base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no consecutive free ports")
+
+
+def test_prefill_tp_2_to_decode_tp_1_assembles_each_block_from_both_ranks():
+    # vLLM's CPU layout [blocks, kv heads, 2 * block_size, head size]; each prefill rank
+    # holds one of the two KV heads, the decode rank both.
+    generator = torch.Generator().manual_seed(7)
+    base = consecutive_free_ports(2)
+    ranks = []
+    for rank in range(2):
+        caches = {f"layer.{i}": torch.randn(NUM_BLOCKS, 1, 2 * BLOCK_SIZE, 32,
+                                            generator=generator) for i in range(2)}
+        layout = describe_kv_caches(caches, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads=1)
+        engine = MooncakeEngine(HOST, "tcp")
+        engine.register(memory_regions(caches))
+        leases = LeaseTable(timeout_s=30)
+        leases.add("p-tp", [6, 1])
+        side = PrefillSide("prefill-tp2", engine.session, layout, leases, f"{HOST}:{base + rank}")
+        ranks.append((caches, leases, SideChannelServer(HOST, base + rank, side.handle), engine))
+    decode_caches = {f"layer.{i}": torch.zeros(NUM_BLOCKS, 2, 2 * BLOCK_SIZE, 32)
+                     for i in range(2)}
+    decode_layout = describe_kv_caches(decode_caches, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads=2)
+    engine = MooncakeEngine(HOST, "tcp")
+    engine.register(memory_regions(decode_caches))
+    try:
+        side = DecodeSide(engine, decode_layout, tp_rank=0, tp_size=1, timeout_s=2)
+        read = side.pull(PullTask("d-tp", (2, 3), RemotePrefill(
+            "prefill-tp2", "p-tp", HOST, base, (6, 1), tp_size=2)))
+        assert read == 2 * 2 * 2 * (2 * BLOCK_SIZE * 32 * 4)  # blocks x layers x ranks
+        for name, cache in decode_caches.items():
+            for local, far in ((2, 6), (3, 1)):
+                expected = torch.cat([ranks[0][0][name][far], ranks[1][0][name][far]])
+                assert torch.equal(cache[local], expected)
+            assert not cache[[0, 1, 4, 5, 6, 7]].any()
+        # Both ranks' leases were released.
+        assert [leases.take_finished()[0] for _, leases, _, _ in ranks] == [{"p-tp"}] * 2
+    finally:
+        for _, _, server, _ in ranks:
+            server.close()

@@ -23,15 +23,38 @@ LOCALHOST = "127.0.0.1"
 
 
 def kv_transfer_config(role: str, *, kv_port: int, engine_id: str,
-                       extra: dict | None = None, **fields) -> str:
+                       extra: dict | None = None, prefill_tp: int = 1, decode_tp: int = 1,
+                       **fields) -> str:
     """The ``--kv-transfer-config`` JSON of a MooncakeConnectorV1 instance."""
     config = {"kv_connector": "MooncakeConnectorV1", "kv_role": role, "kv_port": kv_port,
               "engine_id": engine_id,
-              "kv_connector_extra_config": {"prefill": {"dp_size": 1, "tp_size": 1},
-                                            "decode": {"dp_size": 1, "tp_size": 1},
+              "kv_connector_extra_config": {"prefill": {"dp_size": 1, "tp_size": prefill_tp},
+                                            "decode": {"dp_size": 1, "tp_size": decode_tp},
                                             **(extra or {})},
               **fields}
     return json.dumps(config)
+
+
+def _free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports (a prefill rank listens on kv_port +
+    its TP rank)."""
+    import socket
+
+    for _ in range(100):
+        base = free_port()
+        sockets = []
+        try:
+            for offset in range(count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind((LOCALHOST, base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports on {LOCALHOST}")
 
 
 @dataclass(frozen=True)
@@ -60,31 +83,39 @@ def _wait_for_proxy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 @contextlib.contextmanager
 def running_pd(model: str, log_dir: str, *, extra_args: Sequence[str] = (),
                prefill_extra: dict | None = None, decode_extra: dict | None = None,
-               cpus: tuple[str, str] | None = None, env: dict[str, str] | None = None,
+               cpus: tuple[str | None, str | None] | None = None,
+               env: dict[str, str] | None = None, prefill_tp: int = 1,
+               prefill_env: dict[str, str] | None = None, decode_args: Sequence[str] = (),
                timeout: float = 600) -> Iterator[PDDeployment]:
     """Start prefill and decode (in parallel, each pinned to ``cpus`` if given), then the
     proxy; stop all three when the block ends. ``*_extra`` go to each instance's
-    ``kv_connector_extra_config``."""
+    ``kv_connector_extra_config``; ``prefill_tp`` > 1 runs the prefill instance with that
+    tensor-parallel size (decode keeps 1)."""
     # The connector advertises this address in kv_transfer_params and listens on it.
     env = {"VLLM_HOST_IP": LOCALHOST, **(env or {})}
     logs = {name: os.path.join(log_dir, f"{name}.log") for name in ("prefill", "decode",
                                                                     "proxy")}
     ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
     configs = {
-        "prefill": kv_transfer_config("kv_producer", kv_port=free_port(), engine_id="prefill-0",
-                                      extra=prefill_extra),
+        "prefill": kv_transfer_config("kv_producer", kv_port=_free_ports(prefill_tp),
+                                      engine_id="prefill-0", extra=prefill_extra,
+                                      prefill_tp=prefill_tp),
         "decode": kv_transfer_config("kv_consumer", kv_port=free_port(), engine_id="decode-0",
-                                     extra=decode_extra, kv_load_failure_policy="recompute"),
+                                     extra=decode_extra, prefill_tp=prefill_tp,
+                                     kv_load_failure_policy="recompute"),
     }
+    args = {"prefill": ["--tensor-parallel-size", str(prefill_tp)] if prefill_tp > 1 else [],
+            "decode": list(decode_args)}
+    envs = {"prefill": {**env, **(prefill_env or {})}, "decode": env}
     procs: dict[str, subprocess.Popen] = {}
     handles = {}
     try:
         for index, name in enumerate(("prefill", "decode")):
             handles[name] = open(logs[name], "w")  # noqa: SIM115
             procs[name] = launch_server(
-                model, ports[name], extra_args=[*extra_args, "--kv-transfer-config",
-                                                configs[name]],
-                env=env, log=handles[name], cpus=cpus[index] if cpus else None)
+                model, ports[name], extra_args=[*extra_args, *args[name],
+                                                "--kv-transfer-config", configs[name]],
+                env=envs[name], log=handles[name], cpus=cpus[index] if cpus else None)
         urls = {name: f"http://{LOCALHOST}:{port}" for name, port in ports.items()}
         for name in ("prefill", "decode"):
             wait_until_healthy(urls[name], procs[name], timeout, logs[name])

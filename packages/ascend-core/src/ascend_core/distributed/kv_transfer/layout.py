@@ -8,6 +8,13 @@ consecutive blocks and the run's length. A pull then copies, per plane and block
 ``run_bytes`` from the remote plane to the local one; consecutive block ids on both
 sides merge into one copy.
 
+When the prefill node runs ``k`` times the decode node's tensor-parallel size, each of
+the ``k`` prefill ranks a decode rank reads from holds 1/k of its KV heads: where a
+block's run is head-major (heads its outermost axis, as in vLLM's CPU cache
+``[blocks, heads, 2 * block_size, head_size]``), prefill rank ``j``'s whole run is the
+``j``-th contiguous 1/k of the local run. Planes of equal size on both sides (MLA's
+latent cache, replicated across ranks) are read from the first of the ``k`` ranks.
+
 Torch only: no vLLM.
 """
 
@@ -29,6 +36,7 @@ class Plane:
     base: int  # address of block 0's run
     block_stride: int  # bytes from block i's run to block i+1's
     run_bytes: int  # contiguous bytes of one block in this plane
+    head_major: bool = False  # the run's outermost axis is the KV heads
 
 
 @dataclass(frozen=True)
@@ -50,11 +58,6 @@ class KVLayout:
                    dtype=str(data["dtype"]),
                    planes=tuple(Plane(**plane) for plane in data["planes"]))
 
-    def signature(self) -> tuple:
-        """What must be equal on both sides for a block copy to be meaningful."""
-        return (self.block_size, self.dtype,
-                tuple((p.layer, p.run_bytes) for p in self.planes))
-
 
 def _blocks_view(tensor: torch.Tensor, num_blocks: int, layer: str) -> tuple[torch.Tensor, int]:
     """The tensor (regrouped if needed) and its block dimension. vLLM's per-layer views put
@@ -72,7 +75,8 @@ def _blocks_view(tensor: torch.Tensor, num_blocks: int, layer: str) -> tuple[tor
         f"(num_blocks={num_blocks}) in dimension 0 or in exactly one dimension")
 
 
-def layer_planes(layer: str, tensor: torch.Tensor, num_blocks: int) -> list[Plane]:
+def layer_planes(layer: str, tensor: torch.Tensor, num_blocks: int,
+                 num_kv_heads: int | None = None) -> list[Plane]:
     """The planes of one layer's cache tensor (any dimension order, views allowed)."""
     tensor, block_dim = _blocks_view(tensor, num_blocks, layer)
     item = tensor.element_size()
@@ -81,26 +85,32 @@ def layer_planes(layer: str, tensor: torch.Tensor, num_blocks: int) -> list[Plan
     # The innermost dimensions whose strides chain up form one contiguous run.
     run = 1
     outer = []
+    outermost_in_run = None
     for d in others:
         if tensor.shape[d] == 1:
             continue
         if not outer and tensor.stride(d) == run:
             run *= tensor.shape[d]
+            outermost_in_run = d
         else:
             outer.append(d)
+    head_major = (num_kv_heads is not None and outermost_in_run is not None
+                  and tensor.shape[outermost_in_run] == num_kv_heads)
     offsets = [0]
     for d in outer:
         offsets = [o + i * tensor.stride(d) for o in offsets for i in range(tensor.shape[d])]
     base = tensor.data_ptr()
     block_stride = tensor.stride(block_dim) * item
     return [Plane(layer=layer, base=base + o * item, block_stride=block_stride,
-                  run_bytes=run * item) for o in sorted(offsets)]
+                  run_bytes=run * item, head_major=head_major) for o in sorted(offsets)]
 
 
 def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
-                       num_blocks: int, block_size: int) -> KVLayout:
+                       num_blocks: int, block_size: int,
+                       num_kv_heads: int | None = None) -> KVLayout:
     """The layout of vLLM's ``register_kv_caches`` argument (a tensor, or a tuple of
-    tensors such as MLA's latent and rope caches, per layer)."""
+    tensors such as MLA's latent and rope caches, per layer); ``num_kv_heads`` (this
+    rank's) marks head-major planes."""
     planes: list[Plane] = []
     dtypes = set()
     for layer in sorted(kv_caches):
@@ -108,7 +118,7 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Ten
         tensors = [value] if isinstance(value, torch.Tensor) else list(value)
         for index, tensor in enumerate(tensors):
             name = layer if len(tensors) == 1 else f"{layer}[{index}]"
-            planes.extend(layer_planes(name, tensor, num_blocks))
+            planes.extend(layer_planes(name, tensor, num_blocks, num_kv_heads))
             dtypes.add(str(tensor.dtype).removeprefix("torch."))
     if not planes:
         raise KVLayoutError("no KV cache tensors to register")
@@ -137,8 +147,18 @@ def memory_regions(kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]
     return [(start, length) for start, length in merged]
 
 
-def check_compatible(local: KVLayout, remote: KVLayout, where: str) -> None:
-    """Raise a one-line KVLayoutError unless blocks can be copied from ``remote``."""
+def _plane_pairs_fit(local: KVLayout, remote: KVLayout, tp_ratio: int) -> bool:
+    if [p.layer for p in local.planes] != [p.layer for p in remote.planes]:
+        return False
+    return all(mine.run_bytes == theirs.run_bytes
+               or (tp_ratio > 1 and mine.head_major
+                   and mine.run_bytes == tp_ratio * theirs.run_bytes)
+               for mine, theirs in zip(local.planes, remote.planes, strict=True))
+
+
+def check_compatible(local: KVLayout, remote: KVLayout, where: str, tp_ratio: int = 1) -> None:
+    """Raise a one-line KVLayoutError unless blocks can be copied from ``remote`` (one of
+    ``tp_ratio`` prefill ranks per decode rank)."""
     if local.block_size != remote.block_size:
         raise KVLayoutError(
             f"the prefill node at {where} uses block_size {remote.block_size}, this decode "
@@ -147,15 +167,15 @@ def check_compatible(local: KVLayout, remote: KVLayout, where: str) -> None:
         raise KVLayoutError(
             f"the prefill node at {where} keeps its KV cache in {remote.dtype}, this decode "
             f"node in {local.dtype}: serve both with the same --dtype / --kv-cache-dtype")
-    if local.signature() != remote.signature():
+    if not _plane_pairs_fit(local, remote, tp_ratio):
         mine = {(p.layer, p.run_bytes) for p in local.planes}
         theirs = {(p.layer, p.run_bytes) for p in remote.planes}
         differing = sorted(mine ^ theirs)[:2]
         raise KVLayoutError(
             f"the prefill node at {where} serves a different model: its KV cache has "
             f"{len(remote.planes)} planes, this node's {len(local.planes)} (first "
-            f"differences (layer, bytes per block): {differing}); serve the same model "
-            f"with the same tensor-parallel size on both")
+            f"differences (layer, bytes per block): {differing}, prefill/decode TP ratio "
+            f"{tp_ratio}); serve the same model on both")
 
 
 def check_block_ids(block_ids: Sequence[int], num_blocks: int, what: str) -> None:
@@ -179,22 +199,30 @@ def _runs(local_ids: Sequence[int], remote_ids: Sequence[int]):
 
 
 def read_plan(local: KVLayout, remote: KVLayout, local_ids: Sequence[int],
-              remote_ids: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+              remote_ids: Sequence[int], tp_ratio: int = 1, remote_index: int = 0
+              ) -> tuple[list[int], list[int], list[int]]:
     """(local addresses, remote addresses, lengths) that copy ``remote_ids``' blocks of
-    every plane into ``local_ids``' (paired in order); the layouts must be compatible."""
+    every plane into ``local_ids``' (paired in order) from prefill rank ``remote_index``
+    of the ``tp_ratio`` this decode rank reads; the layouts must be compatible."""
     if len(local_ids) != len(remote_ids):
         raise KVLayoutError(f"{len(local_ids)} local blocks for {len(remote_ids)} remote ones")
     local_addrs, remote_addrs, lengths = [], [], []
     for mine, theirs in zip(local.planes, remote.planes, strict=True):
-        contiguous = (mine.block_stride == mine.run_bytes
+        if mine.run_bytes == theirs.run_bytes:
+            if remote_index:
+                continue  # replicated across prefill ranks: the first one's copy suffices
+            offset = 0
+        else:  # one prefill rank's share of the heads
+            offset = remote_index * theirs.run_bytes
+        contiguous = (offset == 0 and mine.run_bytes == theirs.run_bytes
+                      and mine.block_stride == mine.run_bytes
                       and theirs.block_stride == theirs.run_bytes)
         runs = (_runs(local_ids, remote_ids) if contiguous
-                else ((lb, rb, 1) for lb, rb in zip(local_ids, remote_ids,
-                                                                strict=True)))
+                else ((lb, rb, 1) for lb, rb in zip(local_ids, remote_ids, strict=True)))
         for lb, rb, count in runs:
-            local_addrs.append(mine.base + lb * mine.block_stride)
+            local_addrs.append(mine.base + lb * mine.block_stride + offset)
             remote_addrs.append(theirs.base + rb * theirs.block_stride)
-            lengths.append(count * mine.run_bytes)
+            lengths.append(count * theirs.run_bytes)
     return local_addrs, remote_addrs, lengths
 
 

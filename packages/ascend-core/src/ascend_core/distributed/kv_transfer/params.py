@@ -172,8 +172,9 @@ def check_role(role: Any) -> str:
 
 def check_parallel_sizes(options: MooncakeConnectorOptions, role: str, *, tp_size: int,
                          dp_size: int) -> None:
-    """This instance's sizes must be what the config says its side has; the two sides
-    must have equal TP sizes (blocks are copied rank to rank)."""
+    """This instance's sizes must be what the config says its side has; the prefill TP
+    size must be a multiple of the decode one (each decode rank reads whole blocks from
+    ``prefill_tp / decode_tp`` prefill ranks)."""
     sides = {"kv_producer": ("prefill",), "kv_consumer": ("decode",),
              "kv_both": ("prefill", "decode")}[role]
     for side in sides:
@@ -183,11 +184,12 @@ def check_parallel_sizes(options: MooncakeConnectorOptions, role: str, *, tp_siz
                 raise KVTransferParamsError(
                     f"kv_connector_extra_config {side}.{key}={getattr(declared, key)} but "
                     f"this {role} instance runs with {key} {actual}: set it to {actual}")
-    if options.prefill.tp_size != options.decode.tp_size:
+    prefill_tp, decode_tp = options.prefill.tp_size, options.decode.tp_size
+    if prefill_tp % decode_tp:
         raise KVTransferParamsError(
-            f"prefill tp_size {options.prefill.tp_size} and decode tp_size "
-            f"{options.decode.tp_size} differ: MooncakeConnectorV1 copies blocks rank to "
-            f"rank and needs equal tensor-parallel sizes")
+            f"prefill tp_size {prefill_tp} is not a multiple of decode tp_size {decode_tp}: "
+            f"MooncakeConnectorV1 reads each decode rank's heads from whole prefill ranks "
+            f"(prefill TP 2 to decode TP 1 works, 1 to 2 does not)")
     if options.prefill.dp_size != 1 or options.decode.dp_size != 1:
         raise KVTransferParamsError(
             f"prefill dp_size {options.prefill.dp_size}, decode dp_size "

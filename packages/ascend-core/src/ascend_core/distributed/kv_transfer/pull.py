@@ -1,10 +1,12 @@
 """The pull protocol: a prefill worker serves leases, a decode worker pulls blocks.
 
-Decode worker, per request: *claim* the lease on the prefill rank's side channel
-(which checks the engine id and the block ids and renews the lease), check that the
-two caches are alike, read every plane's blocks with one batched read, then
-*release* the lease. Every failure is reported, never retried into a half-written
-cache: the caller marks the request's local blocks as failed to load. No vLLM.
+Decode worker, per request: *claim* the lease on the side channel of each prefill rank
+it reads (the same rank when both sides have equal TP sizes; ``k`` ranks when the
+prefill node has ``k`` times the decode node's TP size), which checks the engine id and
+the block ids and renews the lease; check that the caches fit; read every plane's
+blocks with one batched read per prefill rank; then *release* the leases. Every
+failure is reported, never retried into a half-written cache: the caller marks the
+request's local blocks as failed to load. No vLLM.
 """
 
 from __future__ import annotations
@@ -81,44 +83,43 @@ class PrefillSide:
 
 
 class DecodeSide:
-    """Pulls requests' blocks for one decode rank from the same rank of the prefill node."""
+    """Pulls requests' blocks for one decode rank from the prefill ranks that hold them."""
 
-    def __init__(self, engine: MooncakeEngine, layout: KVLayout, tp_rank: int,
+    def __init__(self, engine: MooncakeEngine, layout: KVLayout, tp_rank: int, tp_size: int,
                  timeout_s: float):
         self.engine = engine
         self.layout = layout
         self.tp_rank = tp_rank
+        self.tp_size = tp_size
         self.timeout_s = timeout_s
 
-    def _ask(self, remote: RemotePrefill, message: dict, timeout_s: float) -> dict:
-        return ask(remote.host, remote.port + self.tp_rank,
+    def prefill_ranks(self, remote: RemotePrefill) -> list[int]:
+        if remote.tp_size % self.tp_size:
+            raise PullError(f"the prefill node's tp_size {remote.tp_size} is not a multiple "
+                            f"of this decode node's {self.tp_size}")
+        ratio = remote.tp_size // self.tp_size
+        return [self.tp_rank * ratio + j for j in range(ratio)]
+
+    def _ask(self, remote: RemotePrefill, rank: int, message: dict, timeout_s: float) -> dict:
+        return ask(remote.host, remote.port + rank,
                    {**message, "engine_id": remote.engine_id,
                     "request_id": remote.request_id}, timeout_s)
 
-    def release(self, remote: RemotePrefill) -> None:
-        try:
-            self._ask(remote, {"op": "release"}, self.timeout_s)
-        except SideChannelError as err:
-            logger.warning("could not release request %s's blocks on %s:%d (the lease "
-                           "will expire there): %s", remote.request_id, remote.host,
-                           remote.port + self.tp_rank, err)
+    def release(self, remote: RemotePrefill, ranks: list[int]) -> None:
+        for rank in ranks:
+            try:
+                self._ask(remote, rank, {"op": "release"}, self.timeout_s)
+            except SideChannelError as err:
+                logger.warning("could not release request %s's blocks on %s:%d (the lease "
+                               "will expire there): %s", remote.request_id, remote.host,
+                               remote.port + rank, err)
 
-    def pull(self, task: PullTask) -> int:
-        """Read the task's blocks; the number of bytes read. Raises PullError."""
-        remote = task.remote
-        if not task.local_block_ids:
-            self.release(remote)
-            return 0
-        if len(task.local_block_ids) > len(remote.block_ids):
-            raise PullError(f"{len(task.local_block_ids)} blocks to fill but the prefill "
-                            f"node holds {len(remote.block_ids)}")
-        # A local prefix-cache hit leaves only the last blocks to fill.
-        remote_ids = list(remote.block_ids[len(remote.block_ids) - len(task.local_block_ids):])
-        deadline = time.monotonic() + self.timeout_s
-        where = f"{remote.host}:{remote.port + self.tp_rank}"
+    def _claim(self, remote: RemotePrefill, rank: int, block_ids: list[int],
+               deadline: float) -> dict:
+        where = f"{remote.host}:{remote.port + rank}"
         while True:
             try:
-                reply = self._ask(remote, {"op": "claim", "block_ids": remote_ids},
+                reply = self._ask(remote, rank, {"op": "claim", "block_ids": block_ids},
                                   max(deadline - time.monotonic(), 0.05))
             except SideChannelError as err:
                 raise PullError(str(err)) from err
@@ -130,20 +131,49 @@ class DecodeSide:
             time.sleep(_PENDING_RETRY_S)
         if reply.get("status") != "ok":
             raise PullError(f"the prefill node at {where} refused: {reply.get('message')}")
+        return reply
+
+    def pull(self, task: PullTask) -> int:
+        """Read the task's blocks; the number of bytes read. Raises PullError."""
+        remote = task.remote
+        ranks = self.prefill_ranks(remote)
+        if not task.local_block_ids:
+            self.release(remote, ranks)
+            return 0
+        if len(task.local_block_ids) > len(remote.block_ids):
+            raise PullError(f"{len(task.local_block_ids)} blocks to fill but the prefill "
+                            f"node holds {len(remote.block_ids)}")
+        # A local prefix-cache hit leaves only the last blocks to fill.
+        remote_ids = list(remote.block_ids[len(remote.block_ids) - len(task.local_block_ids):])
+        deadline = time.monotonic() + self.timeout_s
+        claimed: list[int] = []
         try:
-            remote_layout = KVLayout.from_wire(reply["layout"])
-            check_compatible(self.layout, remote_layout, where)
-            check_block_ids(remote_ids, remote_layout.num_blocks,
-                            "kv_transfer_params remote_block_ids")
-            check_block_ids(task.local_block_ids, self.layout.num_blocks, "the local blocks")
-            plan = read_plan(self.layout, remote_layout, task.local_block_ids, remote_ids)
-        except (KVLayoutError, KeyError, TypeError) as err:
-            self.release(remote)
-            raise PullError(str(err)) from err
-        status = self.engine.read(reply["session"], *plan)
-        if status < 0:
-            self.release(remote)
-            raise PullError(f"the transfer engine's read of {len(remote_ids)} blocks from "
-                            f"{reply['session']} failed (status {status})")
-        self.release(remote)
-        return sum(plan[2])
+            plans = []
+            for index, rank in enumerate(ranks):
+                reply = self._claim(remote, rank, remote_ids, deadline)
+                claimed.append(rank)
+                try:
+                    remote_layout = KVLayout.from_wire(reply["layout"])
+                    check_compatible(self.layout, remote_layout,
+                                     f"{remote.host}:{remote.port + rank}", len(ranks))
+                    check_block_ids(remote_ids, remote_layout.num_blocks,
+                                    "kv_transfer_params remote_block_ids")
+                    check_block_ids(task.local_block_ids, self.layout.num_blocks,
+                                    "the local blocks")
+                    plan = read_plan(self.layout, remote_layout, task.local_block_ids,
+                                     remote_ids, len(ranks), index)
+                except (KVLayoutError, KeyError, TypeError) as err:
+                    raise PullError(str(err)) from err
+                plans.append((reply["session"], plan))
+            read = 0
+            for session, plan in plans:
+                if not plan[0]:
+                    continue  # replicated planes only, read from the first rank
+                status = self.engine.read(session, *plan)
+                if status < 0:
+                    raise PullError(f"the transfer engine's read of {len(remote_ids)} blocks "
+                                    f"from {session} failed (status {status})")
+                read += sum(plan[2])
+            return read
+        finally:
+            self.release(remote, claimed)

@@ -232,11 +232,12 @@ class _SchedulerSide:
                     f"{connector.kv_role}: send it to a kv_consumer or kv_both instance")
             remote = parse_remote_prefill(params, request.num_prompt_tokens,
                                           connector.block_size)
-            if remote.tp_size != connector.tp_size:
+            expected_tp = connector.options.prefill.tp_size
+            if remote.tp_size != expected_tp:
                 raise KVTransferParamsError(
-                    f"kv_transfer_params remote_tp_size={remote.tp_size} but this decode "
-                    f"node runs tp_size {connector.tp_size}: prefill and decode need equal "
-                    f"tensor-parallel sizes")
+                    f"kv_transfer_params remote_tp_size={remote.tp_size} but "
+                    f"kv_connector_extra_config says prefill tp_size {expected_tp}: the "
+                    f"parameters come from another prefill deployment")
         except KVTransferParamsError as err:
             logger.error("MooncakeConnectorV1: request %s: %s; computing its prompt here",
                          request_id, err)
@@ -319,8 +320,9 @@ class _WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         connector = self.connector
+        spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         layout = describe_kv_caches(kv_caches, self.kv_cache_config.num_blocks,
-                                    connector.block_size)
+                                    connector.block_size, getattr(spec, "num_kv_heads", None))
         self.engine = MooncakeEngine(connector.host, connector.options.protocol,
                                      connector.options.device_name)
         self.regions = memory_regions(kv_caches)
@@ -331,7 +333,7 @@ class _WorkerSide:
                                f"{connector.host}:{port}")
             self.server = SideChannelServer(connector.host, port, side.handle)
         if connector.kv_role in CONSUMERS:
-            self.decode = DecodeSide(self.engine, layout, self.tp_rank,
+            self.decode = DecodeSide(self.engine, layout, self.tp_rank, connector.tp_size,
                                      connector.options.side_channel_timeout_s)
         logger.info("MooncakeConnectorV1 (%s, rank %d): %d KV planes of %d blocks registered "
                     "with the transfer engine at %s%s", connector.kv_role, self.tp_rank,
