@@ -318,11 +318,28 @@ class _WorkerSide:
         self._lock = threading.Lock()
         self._stats = MooncakeTransferStats()
 
+    def _as_the_backend_reads_them(self, kv_caches: dict[str, torch.Tensor]) -> dict:
+        """Each layer's cache as its attention backend lays blocks out. A backend that
+        reinterprets vLLM's pages (the Ascend MLA backend keeps all blocks' latent rows, then
+        all blocks' rope rows, in one layer's memory) says so with ``split_cache``; the
+        planes are then those views, not ``cache[block]``."""
+        context = self.connector._vllm_config.compilation_config.static_forward_context
+        views = {}
+        for name, cache in kv_caches.items():
+            split = getattr(getattr(context.get(name), "impl", None), "split_cache", None)
+            if split is not None and cache.dim() == 4 and cache.is_contiguous():
+                # vLLM registers the 4D [blocks, 1 head, tokens, width] view of the pages
+                # that the backend's forward gets as [blocks, tokens, width].
+                cache = cache.view(cache.shape[0], -1, cache.shape[-1])
+            views[name] = split(cache) if split is not None else cache
+        return views
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         connector = self.connector
         spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        layout = describe_kv_caches(kv_caches, self.kv_cache_config.num_blocks,
-                                    connector.block_size, getattr(spec, "num_kv_heads", None))
+        layout = describe_kv_caches(self._as_the_backend_reads_them(kv_caches),
+                                    self.kv_cache_config.num_blocks, connector.block_size,
+                                    getattr(spec, "num_kv_heads", None))
         self.engine = MooncakeEngine(connector.host, connector.options.protocol,
                                      connector.options.device_name)
         self.regions = memory_regions(kv_caches)
