@@ -31,6 +31,8 @@ class Backends:
             raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/health":
             return httpx.Response(200 if host not in self.broken else 500)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": f"model on {host}"}]})
         if host in self.broken:
             return httpx.Response(500, text="engine dead")
         body = json.loads(request.content)
@@ -209,6 +211,14 @@ def test_client_errors_pass_through_and_a_prefill_without_params_is_named():
     assert ("the prefill instance http://p1:8100 answered without kv_transfer_params"
             in no_params.json()["error"])
     assert not_json.status_code == 400
+
+
+def test_models_are_listed_by_a_decode_instance():
+    async def go():
+        _, client = make(Backends())
+        return await client.get("/v1/models")
+
+    assert run(go()).json() == {"data": [{"id": "model on http://d1:8200"}]}
 
 
 def test_backend_urls_are_checked():

@@ -404,3 +404,6 @@ class _WorkerSide:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self.engine is not None:
+            self.engine.close(self.regions)
+            self.engine = None
