@@ -18,6 +18,8 @@ import nox
 
 ROOT = pathlib.Path(__file__).parent
 PACKAGES = ROOT / "packages"
+# The committed demo model (tools/train_demo_model.py); installed packages find it through this.
+DEMO_MODEL_ENV = {"ASCEND_PLUGIN_DEMO_MODEL": str(ROOT / "models" / "pycoder-26m")}
 
 nox.options.sessions = ["lint", "tests", "core", "plugin", "e2e", "install"]
 nox.options.reuse_venv = "yes"
@@ -135,7 +137,8 @@ def plugin(session: nox.Session) -> None:
     _install_torch(session)
     _install_vllm(session)
     session.install("pytest", *_local(*ALL))
-    session.run("pytest", str(PACKAGES / "ascend-plugin" / "tests"), "-q", *session.posargs)
+    session.run("pytest", str(PACKAGES / "ascend-plugin" / "tests"), "-q", *session.posargs,
+                env=DEMO_MODEL_ENV)
 
 
 @nox.session(python="3.11")
@@ -153,7 +156,7 @@ def e2e(session: nox.Session) -> None:
     # Two test files at a time: an engine start is mostly one core's Python work, so two
     # files' engines overlap well on a 2-core machine (module-scoped engines stay per file).
     session.run("pytest", str(ROOT / "tests" / "e2e"), "-v", "--durations=25",
-                "-n", "2", "--dist", "loadfile", *session.posargs)
+                "-n", "2", "--dist", "loadfile", *session.posargs, env=DEMO_MODEL_ENV)
     # The leaf packages' tests that need vLLM, each file in its own process (vLLM's Triton
     # dispatcher scans every loaded module and trips over numba's objects once vLLM's n-gram
     # proposer is imported), from its package's tests folder (its conftest) as rootdir.
@@ -201,7 +204,7 @@ def demo(session: nox.Session) -> None:
     session.install(*_local(*ALL))
     if "--pd" in session.posargs:  # the Mooncake transfer engine
         session.install(f"{PACKAGES / 'ascend-plugin'}[pd-host]")
-    session.run("python", "-m", "ascend_plugin.demo", *session.posargs)
+    session.run("python", "-m", "ascend_plugin.demo", *session.posargs, env=DEMO_MODEL_ENV)
 
 
 @nox.session(python="3.11", default=False)
@@ -211,4 +214,4 @@ def bench(session: nox.Session) -> None:
     _install_vllm(session)
     session.install(*_local(*ALL))
     for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
-        session.run("python", str(script), *session.posargs)
+        session.run("python", str(script), *session.posargs, env=DEMO_MODEL_ENV)

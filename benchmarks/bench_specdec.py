@@ -104,7 +104,7 @@ def worker(args: dict) -> dict:
               gpu_memory_utilization=0.05, **args.get("llm", {}))
     runs = {}
     for batch in args["batches"]:
-        prompts = PROMPTS[:batch]
+        prompts = args["prompts"][:batch]
 
         def generate(n: int, prompts=prompts):
             params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -128,6 +128,19 @@ def worker(args: dict) -> dict:
             "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
             "spec_decode": counters,
         }
+        if args.get("top2_gaps"):
+            # Untimed: per request and position, how far the best logprob leads the second
+            # (where a speculative run parts from this one, the gap there says why).
+            params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"],
+                                    ignore_eos=True, logprobs=2)
+            gaps = []
+            for out in llm.generate(prompts, params, use_tqdm=False):
+                per_position = []
+                for position in out.outputs[0].logprobs:
+                    best = sorted((e.logprob for e in position.values()), reverse=True)
+                    per_position.append(best[0] - best[1] if len(best) > 1 else None)
+                gaps.append(per_position)
+            runs[str(batch)]["top2_gaps"] = gaps
     return {"runs": runs}
 
 
@@ -199,9 +212,10 @@ def run_config(config: dict, options: argparse.Namespace) -> dict:
     if config["stack"] == PLUGIN:
         env["VLLM_ASCEND_TARGET"] = "host"
     llm = {"speculative_config": config["spec"]} if config["spec"] else {}
-    args = {"model": config["model"], "dtype": options.dtype,
+    args = {"model": config["model"], "dtype": options.dtype, "prompts": config["prompts"],
             "max_model_len": options.max_model_len, "max_tokens": options.max_tokens,
-            "batches": list(BATCHES), "llm": llm, "repeats": options.repeats}
+            "batches": list(BATCHES), "llm": llm, "repeats": options.repeats,
+            "top2_gaps": config["spec"] is None}
     label = f"{config['name']} ({config['stack']}, {config['target']} target)"
     print(f"[bench_specdec] {label}...", file=sys.stderr, flush=True)
     started = time.monotonic()
@@ -236,6 +250,25 @@ def first_differences(tokens: list[list[int]], reference: list[list[int]]) -> li
         diff = [i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b]
         out.append(diff[0] if diff else None)
     return out
+
+
+def gaps_at(positions: list[int | None], gaps: list[list[float]] | None) -> list[float | None]:
+    """The no-speculation run's top-2 logprob gap where each request parts from it."""
+    if gaps is None:
+        return [None] * len(positions)
+    return [None if p is None else gaps[i][p] for i, p in enumerate(positions)]
+
+
+def demo_prompts(count: int = 8, chars: int = 400) -> list[str]:
+    """Starts of chunks from the middle of the demo model's held-out test files, cut at a line
+    end without its newline (the tokenizer joins a newline with the indentation after it)."""
+    from ascend_plugin.demo_model import held_out_texts
+
+    prompts = []
+    for sample in held_out_texts()[1::2][:count]:
+        text = sample["text"][:chars]
+        prompts.append(text[: text.rfind("\n")] if "\n" in text else text)
+    return prompts
 
 
 def run_proposers(heads: str, options: argparse.Namespace) -> dict:
@@ -297,6 +330,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="2-layer base models, few training samples, 32 tokens, one "
                         "repeat (smoke test; figures mean little)")
+    parser.add_argument("--target", choices=("random", "demo"), default="random",
+                        help="random: the random Llama below (and drafts fitted to it); demo: "
+                        "the trained pycoder-26m with its committed Medusa heads, prompts from "
+                        "its held-out files")
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=9)
     parser.add_argument("--initializer-range", type=float, default=0.0006)
@@ -345,7 +382,14 @@ def main() -> None:
                      num_kv_heads=max(1, heads_count // 4), intermediate_size=hidden * 11 // 4,
                      dtype=options.dtype, initializer_range=std)
     llama_methods = [m for m in methods if m != "mtp"]
-    base = str(ensure_model("llama", **base_args)) if llama_methods else None
+    prompts = PROMPTS
+    if options.target == "demo":
+        from ascend_plugin.demo_model import demo_model_dir
+
+        base, base_args, std = str(demo_model_dir()), {"trained": "pycoder-26m"}, 0.02
+        prompts = demo_prompts()
+    else:
+        base = str(ensure_model("llama", **base_args)) if llama_methods else None
     models: dict = {"llama target": None if base is None else {
         "path": base, "arguments": base_args, "parameters": count_parameters(base)}}
     specs: dict = {
@@ -354,7 +398,16 @@ def main() -> None:
         "suffix": {"method": "suffix", "num_speculative_tokens": k},
     }
     report = train = None
-    if "medusa" in methods:
+    if "medusa" in methods and options.target == "demo":
+        from ascend_plugin.demo_model import demo_medusa_dir
+
+        heads = str(demo_medusa_dir())
+        report = json.loads((Path(heads) / "training.json").read_text())
+        specs["medusa"] = {"method": "medusa", "model": heads, "num_speculative_tokens": k}
+        models["medusa heads"] = {"path": heads, "parameters": count_parameters(heads),
+                                  "train_options": report["options"],
+                                  "held_out": report["final"], "seconds_this_run": 0.0}
+    elif "medusa" in methods:
         train = TrainOptions(heads=k, samples=options.samples, steps=options.steps,
                              continuation_tokens=min(options.max_tokens, 64), share_lm_head=True,
                              batch_size=128, generation_batch=64, seed=0)
@@ -401,6 +454,7 @@ def main() -> None:
         return {"name": name, "method": None if extra.get("baseline") else method,
                 "stack": stack, "target": target, "model": model,
                 "spec": None if extra.get("baseline") else specs[method],
+                "prompts": PROMPTS if method == "mtp" else prompts,
                 "unavailable": extra.get("unavailable")}
 
     configs = []
@@ -447,6 +501,9 @@ def main() -> None:
                 "drafts": run["spec_decode"].get("vllm:spec_decode_num_drafts", 0),
                 "greedy_equal_to_no_speculation": run["token_ids"] == base_run["token_ids"],
                 "first_difference": first_differences(run["token_ids"], base_run["token_ids"]),
+                "gap_at_first_difference": gaps_at(
+                    first_differences(run["token_ids"], base_run["token_ids"]),
+                    base_run.get("top2_gaps")),
             })
     load_at_end = load_average()
     summary = {
@@ -486,7 +543,13 @@ def markdown(summary: dict, options: argparse.Namespace, report: dict | None,
         "",
     ]
     llama = models.get("llama target")
-    if llama:
+    demo = options.target == "demo"
+    if llama and demo:
+        lines.append(
+            f"Llama target: the trained demo model pycoder-26m ({llama['parameters'] / 1e6:.0f}M "
+            f"parameters, {dtype}, `models/pycoder-26m`); prompts: 8 chunks of its held-out "
+            "test files (never trained on, nor used to fit its Medusa heads).")
+    elif llama:
         a = llama["arguments"]
         lines.append(
             f"Llama target: random, {llama['parameters'] / 1e6:.0f}M parameters, {dtype}, "
@@ -497,17 +560,24 @@ def markdown(summary: dict, options: argparse.Namespace, report: dict | None,
         m = models["medusa heads"]
         lines.append(
             f"Medusa: {k} heads ({m['parameters'] / 1e6:.1f}M parameters, one LM head shared "
-            f"with the base), self-distilled from {train.samples} greedy continuations, "
-            f"{train.steps} steps; held-out acceptance length "
-            f"{report['final']['acceptance_length']:.2f}.")
-    if "eagle draft" in models:
+            f"with the base), self-distilled from {report['options']['samples']} greedy "
+            f"continuations, {report['options']['steps']} steps; the trainer's held-out "
+            f"acceptance length {report['final']['acceptance_length']:.2f}"
+            + (" (committed `models/pycoder-26m-medusa`, trained in bf16 on the dev half of "
+               "the held-out files)." if demo else "."))
+    if demo and ("eagle draft" in models or "eagle3 draft" in models):
+        lines.append(
+            "EAGLE / EAGLE-3 drafts: untrained, built the way the random-target runs build "
+            "them (carrying the input token's embedding); on a trained target that predicts "
+            "little, so these rows show the cost of a draft that is rarely right.")
+    if "eagle draft" in models and not demo:
         m = models["eagle draft"]
         lines.append(
             f"EAGLE draft: one decoder layer (MLP {m['intermediate_size']} wide) and `fc`, "
             f"{m['parameters'] / 1e6:.1f}M parameters (embedding and LM head shared with the "
             "target); untrained, `fc` carries the input token's embedding, which on this "
             "target predicts what the target predicts.")
-    if "eagle3 draft" in models:
+    if "eagle3 draft" in models and not demo:
         m = models["eagle3 draft"]
         lines.append(
             f"EAGLE-3 draft: `fc` over three target layers, one layer over [embedding, hidden] "
@@ -535,7 +605,8 @@ def markdown(summary: dict, options: argparse.Namespace, report: dict | None,
         "timed generations. Each row runs in its own process.",
         "",
         "| target | method | stack | batch | decode tok/s | vs no speculation (same stack) "
-        "| ours / stock | acceptance length | drafting steps | greedy = no speculation |",
+        "| ours / stock | acceptance length | drafting steps | greedy = no speculation "
+        "(requests equal; where the rest part, the no-speculation run's top-2 logprob gap) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     missing_rows = {}
@@ -549,9 +620,14 @@ def markdown(summary: dict, options: argparse.Namespace, report: dict | None,
     keys = [row["key"] for row in summary["rows"]]
     for i, row in enumerate(summary["rows"]):
         length, ratio = row["acceptance_length"], row["ours_vs_stock"]
+        parted = [(d, g) for d, g in zip(row["first_difference"],
+                                         row.get("gap_at_first_difference") or
+                                         [None] * len(row["first_difference"]), strict=True)
+                  if d is not None]
         same = "yes" if row["greedy_equal_to_no_speculation"] else (
-            "no, first differences at " + str([d for d in row["first_difference"]
-                                               if d is not None]))
+            f"{len(row['first_difference']) - len(parted)} of {len(row['first_difference'])}; "
+            "parted at " + ", ".join(f"token {d}" + ("" if g is None else f" (gap {g:.3f} nat)")
+                                     for d, g in parted))
         lines.append(
             f"| {row['target']} | {row['method']} | {row['stack']} | {row['batch']} | "
             f"{row['decode_tokens_per_s']:.1f} | {row['vs_no_speculation']:.2f}x | "

@@ -42,12 +42,14 @@ EOT = "<|endoftext|>"
 PAD = "<|pad|>"
 
 # The demo model is a code model, so a chat turn is shown to it as a code comment: the user's
-# words become "# ..." lines and the model continues with code. System text is a comment too.
+# words become "# ..." lines and a blank line, after which the model writes code (without the
+# blank line it goes on commenting). System text is a comment too. (transformers renders with
+# trim_blocks, which drops a newline right after a block tag: hence the {{ '\n' }}.)
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}\n"
     "{% else %}{% for line in message['content'].split('\\n') %}# {{ line }}\n{% endfor %}"
-    "{% endif %}{% endfor %}"
+    "{{ '\\n' }}{% endif %}{% endfor %}"
 )
 
 # No prompt ends in a newline: the tokenizer joins a newline with the indentation after it,
@@ -79,6 +81,8 @@ def _module_docs(name: str) -> str | None:
         if attr.startswith("_"):
             continue
         value = getattr(module, attr)
+        if name == "sys":  # test runners replace sys's hooks; sys keeps the originals
+            value = getattr(module, f"__{attr}__", value)
         doc = getattr(value, "__doc__", None)
         if not isinstance(doc, str) or not doc.strip() or not callable(value):
             continue
@@ -426,6 +430,23 @@ def train(args) -> None:
         log(f"greedy {sample['prompt']!r} -> {sample['continuation']!r}")
 
 
+def held_out_samples(docs: list[dict], per_file: int = 2, chars: int = 1500) -> list[dict]:
+    """Chunks of the held-out files (at line starts), for prompts and perplexity elsewhere."""
+    samples = []
+    for doc in docs:
+        if doc["split"] != "held_out":
+            continue
+        text = doc["text"]
+        for i in range(per_file):
+            start = text.rfind("\n", 0, len(text) * i // per_file) + 1
+            chunk = text[start:start + chars]
+            if len(chunk) == chars:
+                chunk = chunk[: chunk.rfind("\n") + 1] or chunk
+            if chunk.strip():
+                samples.append({"path": doc["path"], "offset": start, "text": chunk})
+    return samples
+
+
 def describe(args) -> None:
     """Refresh a trained folder's tokenizer files, greedy samples and model card (CPU is fine)."""
     import torch
@@ -438,6 +459,16 @@ def describe(args) -> None:
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     model = LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     record["greedy_samples"] = greedy_samples(model, tokenizer, torch.device("cpu"))
+    if args.corpus:
+        header, docs = read_corpus(Path(args.corpus))
+        if header["sha256"] != record["corpus"]["sha256"]:
+            trained_on = record["corpus"]["sha256"][:16]
+            raise SystemExit(f"error: corpus {args.corpus} (sha256 {header['sha256'][:16]}) is "
+                             f"not the one {out} was trained on ({trained_on})")
+        samples = held_out_samples(docs)
+        (out / "held_out.jsonl").write_text(
+            "".join(json.dumps(s, sort_keys=True) + "\n" for s in samples), encoding="utf-8")
+        log(f"wrote {len(samples)} held-out samples to {out / 'held_out.jsonl'}")
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     (out / "README.md").write_text(model_card(record), encoding="utf-8")
     for sample in record["greedy_samples"]:
@@ -513,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--no-compile", action="store_true", help="skip torch.compile on a GPU")
     d = sub.add_parser("describe", help="refresh a trained folder's samples and model card")
     d.add_argument("--model", required=True)
+    d.add_argument("--corpus", help="the training corpus: also write held_out.jsonl from it")
     args = parser.parse_args(argv)
     if args.command == "corpus":
         write_corpus(Path(args.out))

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 
 def run_demo(*args: str, log) -> str:
@@ -16,7 +17,9 @@ def run_demo(*args: str, log) -> str:
     return proc.stdout
 
 
-def test_demo_serves_and_answers(tmp_path, llama_dir):
+def test_demo_serves_and_answers(tmp_path):
+    from ascend_plugin.demo_model import demo_model_dir
+
     out = run_demo("--max-tokens", "8", log=tmp_path / "server.log")
     assert out.count("/v1/completions  prompt:") == 2
     assert out.count("/v1/chat/completions  user:") == 2
@@ -24,13 +27,15 @@ def test_demo_serves_and_answers(tmp_path, llama_dir):
     assert len(answers) == 4 and all(len(a) > len("  -> ''") for a in answers)
     log = (tmp_path / "server.log").read_text()
     assert "Ascend plugin active: host target (AscendHostPlatform)" in log
-    assert llama_dir in log  # the demo model is the cached tiny Llama
+    assert str(demo_model_dir()) in log  # the demo model is the committed pycoder-26m
+    # It writes Python: the completion of "def fibonacci(n):" opens an indented body.
+    assert answers[0].startswith("  -> '\\n    ")
 
 
 def test_demo_with_medusa_reports_acceptance(tmp_path):
-    from ascend_plugin.demo import ensure_medusa_demo
+    from ascend_plugin.demo_model import demo_medusa_dir, demo_model_dir
 
-    base, heads = ensure_medusa_demo()
+    base, heads = str(demo_model_dir()), str(demo_medusa_dir())
     out = run_demo("--medusa", "--max-tokens", "32", log=tmp_path / "server.log")
     assert out.count("  -> ") == 4
     found = re.search(r"Medusa: (\d+) drafts, (\d+) of (\d+) draft tokens accepted, "
@@ -42,3 +47,13 @@ def test_demo_with_medusa_reports_acceptance(tmp_path):
     log = (tmp_path / "server.log").read_text()
     assert "Ascend plugin active: host target" in log
     assert heads in log and base in log
+
+
+def test_training_the_demo_model_without_a_gpu_says_how_to_train_on_the_cpu(tmp_path):
+    script = Path(__file__).resolve().parents[2] / "tools" / "train_demo_model.py"
+    proc = subprocess.run([sys.executable, str(script), "train", "--corpus", "unused",
+                           "--out", str(tmp_path / "model")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "no CUDA GPU is visible" in proc.stderr and "--device cpu" in proc.stderr
+    assert not (tmp_path / "model").exists()

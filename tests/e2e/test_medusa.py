@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from ascend_plugin.demo import MEDUSA_BASE, MEDUSA_HEADS, medusa_train_options
-
+from tiny_medusa import MEDUSA_HEADS, TINY_MEDUSA_BASE, tiny_medusa_options
 from vllm_runs import PROMPTS, run_vllm, start_failure
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
@@ -41,7 +40,7 @@ def acceptance_length(result) -> float:
 def base_dir() -> str:
     from ascend_plugin.tiny_models import ensure_model
 
-    return str(ensure_model("llama", **MEDUSA_BASE))
+    return str(ensure_model("llama", **TINY_MEDUSA_BASE))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def heads_dir(base_dir) -> str:
     from ascend_specdec.medusa import ensure_medusa_heads
 
     # Trained once (about a minute on 2 cores), then cached by base model and options.
-    return str(ensure_medusa_heads(base_dir, medusa_train_options()))
+    return str(ensure_medusa_heads(base_dir, tiny_medusa_options()))
 
 
 @pytest.fixture(scope="module")

@@ -114,9 +114,9 @@ def test_full_decode_graphs_replay_ngram_verification_steps(llama):
 
 
 def test_full_decode_graphs_replay_medusa_steps_with_accepted_drafts():
-    from ascend_plugin.demo import MEDUSA_HEADS, ensure_medusa_demo
+    from tiny_medusa import MEDUSA_HEADS, ensure_tiny_medusa
 
-    base, heads = ensure_medusa_demo()
+    base, heads = ensure_tiny_medusa()
     plain = run(base, NPU)
     spec = {"method": "medusa", "model": heads, "num_speculative_tokens": MEDUSA_HEADS}
     result = run(base, NPU, speculative_config=spec, disable_log_stats=False, **FULL_DECODE)
@@ -141,9 +141,9 @@ TWO_NPUS = {**NPU, "TORCH_NPU_REFERENCE_DEVICE_COUNT": "2"}
 
 @pytest.fixture(scope="module")
 def medusa_base() -> str:
-    from ascend_plugin.demo import ensure_medusa_demo
+    from tiny_medusa import ensure_tiny_medusa
 
-    return ensure_medusa_demo()[0]
+    return ensure_tiny_medusa()[0]
 
 
 @pytest.fixture(scope="module")

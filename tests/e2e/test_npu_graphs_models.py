@@ -126,11 +126,12 @@ def test_moe_model_with_graphs_keeps_greedy_tokens(qwen3_moe, qwen3_moe_eager, m
 
 @pytest.fixture(scope="module")
 def w8a8_checkpoint(tmp_path_factory) -> Path:
-    from ascend_plugin.demo import ensure_medusa_demo
     from ascend_quant.writers import Group, write_compressed_tensors
 
+    from tiny_medusa import ensure_tiny_medusa
+
     out = tmp_path_factory.mktemp("npu-graphs-w8a8") / "llama-w8a8-dynamic"
-    write_compressed_tensors(ensure_medusa_demo()[0], out, [Group(r".*_proj", "W8A8_DYNAMIC")])
+    write_compressed_tensors(ensure_tiny_medusa()[0], out, [Group(r".*_proj", "W8A8_DYNAMIC")])
     return out
 
 

@@ -147,9 +147,9 @@ def test_ngram_speculation_on_npu_keeps_greedy_tokens(llama, llama_npu):
 
 @pytest.fixture(scope="module")
 def medusa_demo() -> tuple[str, str]:
-    from ascend_plugin.demo import ensure_medusa_demo
+    from tiny_medusa import ensure_tiny_medusa
 
-    return ensure_medusa_demo()
+    return ensure_tiny_medusa()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from ascend_specdec.medusa.training import (
     generate_distillation_data,
     head_losses,
     init_heads,
+    text_prompts,
     to_draft_vocab,
     train_heads,
 )
@@ -131,3 +132,40 @@ def test_trained_heads_round_trip_through_a_checkpoint(tmp_path):
 def test_bad_options(fields, message):
     with pytest.raises(ValueError, match=message):
         TrainOptions(**fields)
+
+
+def test_text_prompts_are_windows_of_the_text_with_the_bos_first():
+    text = torch.arange(1000, 1300)
+    options = TrainOptions(samples=70, min_prompt_tokens=5, max_prompt_tokens=9,
+                           generation_batch=32)
+    batches = text_prompts(70, options, text, bos_token_id=7,
+                           generator=torch.Generator().manual_seed(0))
+    assert [b.shape[0] for b in batches] == [32, 32, 6]
+    for batch in batches:
+        assert (batch[:, 0] == 7).all()
+        window = batch[:, 1:]
+        assert 5 <= window.shape[1] <= 9
+        # Contiguous slices of the text: each row counts up by one from where it starts.
+        assert (window - window[:, :1] == torch.arange(window.shape[1])).all()
+        assert window.min() >= 1000 and window.max() < 1300
+
+
+def test_text_prompts_refuse_text_shorter_than_a_prompt():
+    options = TrainOptions(min_prompt_tokens=8, max_prompt_tokens=8)
+    with pytest.raises(ValueError, match="shorter than a 8-token prompt"):
+        text_prompts(4, options, torch.arange(5), None, torch.Generator().manual_seed(0))
+
+
+def test_distillation_data_from_text_continues_the_given_windows():
+    base = ToyBigramLM(vocab_size=64, hidden_size=8)
+    options = TrainOptions(samples=8, continuation_tokens=6, min_prompt_tokens=4,
+                           max_prompt_tokens=4, generation_batch=8, heads=2, holdout=0.25)
+    text = torch.arange(10, 60)
+    train, held = generate_distillation_data(base, options, torch.arange(64), None,
+                                             text_ids=text, **QUIET)
+    assert len(train) > 0 and len(held) > 0
+
+
+def test_base_dtype_must_be_a_float_type():
+    with pytest.raises(ValueError, match="base_dtype='int8'"):
+        TrainOptions(base_dtype="int8")

@@ -1,19 +1,20 @@
 """The main job: serve a model through the plugin on the host target and ask it things.
 
-    python -m ascend_plugin.demo                  # the demo model, built locally
+    python -m ascend_plugin.demo                  # the demo model (models/pycoder-26m)
     python -m ascend_plugin.demo --model PATH     # any checkpoint vLLM can load
     python -m ascend_plugin.demo --serve          # keep serving after the requests
     python -m ascend_plugin.demo --medusa         # with Medusa speculative decoding
     python -m ascend_plugin.demo --pd             # prefill/decode disaggregation (1P1D)
 
-The demo model is a tiny random Llama with a tokenizer trained on text from the
-Python installation (no download): its answers are fluent-looking noise, but
-every token went through vLLM and the plugin.
+The demo model is ``pycoder-26m``: a 26M-parameter Llama code model trained here on the
+Python standard library (``tools/train_demo_model.py``; committed under ``models/``, no
+download). It continues Python code; a chat message reaches it as a ``# ...`` comment, after
+which it writes code. Expect plausible standard-library-style Python, not answers.
 
-With ``--medusa`` the base is the same tiny Llama with small initial weights (its greedy
-continuations are learnable several tokens ahead, which a fully random one's are not) and
-three Medusa heads self-distilled from it by ascend-specdec (about a minute on 2 cores,
-then cached); the demo prints the mean acceptance length the server measured.
+With ``--medusa`` the demo model is served with its three Medusa heads
+(``models/pycoder-26m-medusa``, self-distilled by ``python -m ascend_specdec.train_medusa`` in
+bf16 on standard-library prompts, committed beside it); the demo prints the mean acceptance
+length the server measured.
 
 With ``--pd`` it starts a prefill and a decode instance (MooncakeConnectorV1 over TCP on
 127.0.0.1, each pinned to its own CPU when there are two) and the proxy, sends the same
@@ -30,29 +31,11 @@ import time
 
 from ascend_plugin.serving import chat, complete, counter_totals, running_server
 
-PROMPTS = ["The Python Software Foundation", "def main():"]
-CHAT = ["What is an NPU?", "Write a haiku about vLLM."]
+PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(folder):"]
+CHAT = ["Return the sum of the squares of a list of numbers",
+        "Read a JSON file and return its contents"]
 
-# The Medusa demo: base model fields and training options (the host e2e tests use the same,
-# so both share one cached base and one set of heads).
-MEDUSA_BASE = {"initializer_range": 0.005}
-MEDUSA_HEADS = 3
-
-
-def medusa_train_options():
-    from ascend_specdec.medusa import TrainOptions
-
-    return TrainOptions(heads=MEDUSA_HEADS, samples=4000, steps=3000, continuation_tokens=64,
-                        seed=0)
-
-
-def ensure_medusa_demo() -> tuple[str, str]:
-    """(base model folder, Medusa heads folder), built and trained once, then cached."""
-    from ascend_plugin.tiny_models import ensure_model
-    from ascend_specdec.medusa import ensure_medusa_heads
-
-    base = ensure_model("llama", **MEDUSA_BASE)
-    return str(base), str(ensure_medusa_heads(base, medusa_train_options()))
+MEDUSA_HEADS = 3  # the committed heads (models/pycoder-26m-medusa) serve k = 3
 
 
 def medusa_server_args(heads: str) -> list[str]:
@@ -65,9 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint folder or name (default: the demo model)")
     parser.add_argument("--port", type=int, default=None)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--medusa", action="store_true",
-                        help="serve the Medusa demo: a tiny base with heads trained here")
+                        help="serve the demo model with its Medusa heads (k=3)")
     parser.add_argument("--pd", action="store_true",
                         help="prefill/decode disaggregation: a prefill and a decode instance "
                              "behind ascend_plugin.pd_proxy (needs ascend-plugin[pd-host])")
@@ -87,21 +70,21 @@ def main(argv=None) -> int:
     if args.medusa and args.pd:
         print("[demo] error: --medusa and --pd are separate demos: pick one", file=sys.stderr)
         return 2
-    if args.medusa:
-        if model is not None:
-            print("[demo] error: --medusa serves its own base model and heads; for your "
-                  f"model ({model}) train heads with `python -m ascend_specdec.train_medusa` "
-                  "and pass them after -- as --speculative-config", file=sys.stderr)
-            return 2
-        print("[demo] preparing the Medusa demo: base model and heads (trained once, about "
-              "a minute, then cached)", flush=True)
-        model, heads = ensure_medusa_demo()
-        extra = medusa_server_args(heads) + extra
-    elif model is None:
-        from ascend_plugin.tiny_models import ensure_model
+    if args.medusa and model is not None:
+        print("[demo] error: --medusa serves the demo model with its own heads; for your "
+              f"model ({model}) train heads with `python -m ascend_specdec.train_medusa` "
+              "and pass them after -- as --speculative-config", file=sys.stderr)
+        return 2
+    if model is None:
+        from ascend_plugin.demo_model import DemoModelError, demo_medusa_dir, demo_model_dir
 
-        print("[demo] preparing the demo model (built once, then cached)", flush=True)
-        model = str(ensure_model("llama"))
+        try:
+            model = str(demo_model_dir())
+            if args.medusa:
+                extra = medusa_server_args(str(demo_medusa_dir())) + extra
+        except DemoModelError as err:
+            print(f"[demo] error: {err}", file=sys.stderr)
+            return 2
     print(f"[demo] starting vLLM's OpenAI server through the plugin (host target) on {model}",
           flush=True)
     print(f"[demo] server log: {args.log}", flush=True)

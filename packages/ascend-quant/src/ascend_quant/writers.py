@@ -78,8 +78,11 @@ def plan(modules: Iterable[str], groups: Sequence[Group]) -> dict[str, Group]:
 
 
 def calibrate(model_dir: str | Path, modules: Iterable[str], num_prompts: int = 8,
-              length: int = 32, seed: int = 0) -> dict[str, ActivationStats]:
-    """Input ranges of ``modules`` over random token prompts, from the float model."""
+              length: int = 32, seed: int = 0, calibration_ids: torch.Tensor | None = None,
+              ) -> dict[str, ActivationStats]:
+    """Input ranges of ``modules`` from the float model, over ``calibration_ids`` [B, T]
+    (token ids of real text: what a trained model should be calibrated on) or, without them,
+    random token prompts."""
     from transformers import AutoModelForCausalLM
 
     wanted = set(modules)
@@ -95,8 +98,11 @@ def calibrate(model_dir: str | Path, modules: Iterable[str], num_prompts: int = 
 
     handles = [module.register_forward_pre_hook(hook(name))
                for name, module in model.named_modules() if name in wanted]
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, model.config.vocab_size, (num_prompts, length), generator=g)
+    if calibration_ids is None:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(4, model.config.vocab_size, (num_prompts, length), generator=g)
+    else:
+        ids = calibration_ids
     with torch.no_grad():
         model(input_ids=ids)
     for handle in handles:
@@ -178,7 +184,8 @@ def _module_tree(tensors: dict[str, torch.Tensor], modules: Iterable[str]) -> to
 
 
 def write_compressed_tensors(src_dir: str | Path, out_dir: str | Path, groups: Sequence[Group],
-                             ignore: Sequence[str] = ("lm_head",)) -> Path:
+                             ignore: Sequence[str] = ("lm_head",),
+                             calibration_ids: torch.Tensor | None = None) -> Path:
     """compressed-tensors form of the float checkpoint in ``src_dir`` (see module doc)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
@@ -208,7 +215,7 @@ def write_compressed_tensors(src_dir: str | Path, out_dir: str | Path, groups: S
                  if getattr(module, "quantization_scheme", None) is not None}
     static = [n for n, m in quantized.items() if m.quantization_scheme.input_activations
               is not None and not m.quantization_scheme.input_activations.dynamic]
-    stats = calibrate(src, static) if static else {}
+    stats = calibrate(src, static, calibration_ids=calibration_ids) if static else {}
     for name, module in quantized.items():
         _fill_qparams(module, stats.get(name))
     compressor = ModelCompressor.from_pretrained_model(tree)

@@ -35,6 +35,9 @@ _HELP = {
     "eval_every": "evaluate on held-out data every N steps",
     "generation_batch": "prompts per greedy generation batch",
     "seed": "random seed (prompts, sampling of batches)",
+    "prompt_text": "prompts from this text file or folder of .py/.txt/.md files "
+                   "(default: random tokens)",
+    "base_dtype": "dtype the base model generates in (default: the checkpoint's, as served)",
 }
 
 
@@ -51,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument(flag, action="store_true", default=f.default, help=_HELP[f.name])
         elif f.name == "truncated_vocab":
             p.add_argument(flag, type=int, default=None, metavar="N", help=_HELP[f.name])
+        elif f.name in ("prompt_text", "base_dtype"):
+            p.add_argument(flag, default=None, help=_HELP[f.name])
         else:
             kind = float if f.type in ("float", float) else int
             p.add_argument(flag, type=kind, default=f.default,

@@ -15,8 +15,10 @@ import torch
 class TransformersBaseLM:
     """Greedy continuation with a KV cache, returning the last hidden state of every step."""
 
-    def __init__(self, model, sample_ids: torch.Tensor, bos_token_id: int | None) -> None:
+    def __init__(self, model, sample_ids: torch.Tensor, bos_token_id: int | None,
+                 tokenizer=None) -> None:
         self.model = model
+        self.tokenizer = tokenizer
         self.decoder = model.get_decoder()
         self.output = model.get_output_embeddings()
         self.hidden_size = int(model.config.hidden_size)
@@ -42,8 +44,32 @@ class TransformersBaseLM:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=dtype, use_safetensors=True)
         model.eval()
-        sample_ids, bos = _prompt_vocabulary(folder, model.config)
-        return cls(model, sample_ids, bos)
+        sample_ids, bos, tokenizer = _prompt_vocabulary(folder, model.config)
+        return cls(model, sample_ids, bos, tokenizer)
+
+    def encode_text(self, source: str | Path, max_chars: int = 4_000_000) -> torch.Tensor:
+        """Token ids [N] of a text file, or of a folder's .py / .txt / .md files (sorted)."""
+        if self.tokenizer is None:
+            raise ValueError("--prompt-text needs the base model's tokenizer, and its folder "
+                             "has none (tokenizer.json / tokenizer_config.json)")
+        path = Path(source)
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.suffix in (".py", ".txt", ".md"))
+        elif path.is_file():
+            files = [path]
+        else:
+            raise FileNotFoundError(f"--prompt-text {str(path)!r} is neither a file nor a folder")
+        parts, size = [], 0
+        for file in files:
+            text = file.read_text(encoding="utf-8", errors="replace")
+            parts.append(text)
+            size += len(text)
+            if size >= max_chars:
+                break
+        ids = self.tokenizer("".join(parts), add_special_tokens=False).input_ids
+        if not ids:
+            raise ValueError(f"--prompt-text {str(path)!r} holds no text")
+        return torch.tensor(ids, dtype=torch.long)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.output.weight.detach()
@@ -67,14 +93,16 @@ class TransformersBaseLM:
         return torch.cat(tokens, dim=1), torch.cat(hidden, dim=1).float()
 
 
-def _prompt_vocabulary(folder: Path, config) -> tuple[torch.Tensor, int | None]:
-    """Token ids to draw random prompts from (no special tokens), and the BOS id to prepend."""
+def _prompt_vocabulary(folder: Path, config):
+    """Token ids to draw random prompts from (no special tokens), the BOS id to prepend, and
+    the tokenizer (None if the folder has none)."""
     special: set[int] = set()
     size = int(config.vocab_size)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
         value = getattr(config, name, None)
         special.update(value if isinstance(value, list) else [value] if value is not None else [])
     bos = getattr(config, "bos_token_id", None)
+    tokenizer = None
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
         try:
             from transformers import AutoTokenizer
@@ -90,4 +118,4 @@ def _prompt_vocabulary(folder: Path, config) -> tuple[torch.Tensor, int | None]:
             bos = tokenizer.bos_token_id if encoded and encoded[0] == tokenizer.bos_token_id \
                 else None
     ids = torch.tensor([i for i in range(size) if i not in special], dtype=torch.long)
-    return ids, bos if isinstance(bos, int) else None
+    return ids, bos if isinstance(bos, int) else None, tokenizer

@@ -28,7 +28,7 @@ from ascend_specdec.medusa.training import (
 )
 
 # Bump when a change here alters what training writes, so cached heads are not reused.
-TRAIN_VERSION = 1
+TRAIN_VERSION = 2  # 2: the base runs in the checkpoint's dtype, prompts may come from text
 REPORT_FILE = "training.json"
 CACHE_ENV_VAR = "ASCEND_PLUGIN_MODEL_CACHE"  # the tiny models' cache: heads sit beside them
 DEFAULT_CACHE_ROOT = Path("~/.cache/ascend-plugin/models")
@@ -57,12 +57,18 @@ def train_medusa_heads(base_dir: str | Path, out_dir: str | Path,
     options = options or TrainOptions()
     base_dir = Path(base_dir)
     started = time.monotonic()
-    base = TransformersBaseLM.load(base_dir)
-    log(f"base model {base_dir}: hidden size {base.hidden_size}, vocabulary {base.vocab_size}; "
-        f"{options.samples} greedy continuations of {options.continuation_tokens} tokens, "
+    base_dtype = (getattr(torch, options.base_dtype) if options.base_dtype
+                  else _checkpoint_dtype(base_dir))
+    base = TransformersBaseLM.load(base_dir, dtype=base_dtype)
+    text_ids = base.encode_text(options.prompt_text) if options.prompt_text else None
+    prompts = (f"windows of {options.prompt_text} ({text_ids.numel():,} tokens)"
+               if text_ids is not None else "random tokens")
+    log(f"base model {base_dir} in {str(base_dtype).removeprefix('torch.')}: hidden size "
+        f"{base.hidden_size}, vocabulary {base.vocab_size}; {options.samples} greedy "
+        f"continuations of {options.continuation_tokens} tokens from {prompts}, "
         f"{options.heads} heads, {options.steps} steps")
     train, held_out = generate_distillation_data(base, options, base.sample_ids,
-                                                 base.bos_token_id, log=log)
+                                                 base.bos_token_id, log=log, text_ids=text_ids)
     generated = time.monotonic() - started
     log(f"{len(train)} training rows, {len(held_out)} held-out rows ({generated:.1f} s)")
     result = train_heads(train, held_out, base.lm_head_weight(), options, log=log)

@@ -63,6 +63,12 @@ class TrainOptions:
     eval_every: int = 150
     generation_batch: int = 64
     seed: int = 0
+    # Prompts from text (a file, or a folder of .py / .txt / .md files) instead of random
+    # tokens: a trained model continues real text the way it will be served.
+    prompt_text: str | None = None
+    # The dtype the base model runs in while generating (None: the checkpoint's, which is what
+    # vLLM serves): the heads learn the hidden states they will see.
+    base_dtype: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("heads", "steps", "samples", "layers", "batch_size", "generation_batch",
@@ -83,6 +89,9 @@ class TrainOptions:
             raise ValueError(f"holdout={self.holdout} must be between 0 and 1")
         if self.truncated_vocab is not None and self.truncated_vocab < 1:
             raise ValueError(f"truncated_vocab={self.truncated_vocab} must be at least 1")
+        if self.base_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"base_dtype={self.base_dtype!r}: use float32, bfloat16 or "
+                             "float16 (or leave it out for the checkpoint's dtype)")
 
 
 @dataclass
@@ -140,6 +149,29 @@ def random_prompts(count: int, options: TrainOptions, sample_ids: torch.Tensor,
     return batches
 
 
+def text_prompts(count: int, options: TrainOptions, text_ids: torch.Tensor,
+                 bos_token_id: int | None, generator: torch.Generator) -> list[torch.Tensor]:
+    """``count`` windows of ``text_ids`` [N] as batches [b, P] (one random length per batch)."""
+    batches = []
+    remaining = count
+    while remaining:
+        size = min(options.generation_batch, remaining)
+        length = int(torch.randint(options.min_prompt_tokens, options.max_prompt_tokens + 1,
+                                   (1,), generator=generator))
+        if text_ids.numel() <= length:
+            raise ValueError(f"prompt text of {text_ids.numel()} tokens is shorter than a "
+                             f"{length}-token prompt; give more text or lower "
+                             "--max-prompt-tokens")
+        starts = torch.randint(0, text_ids.numel() - length, (size,), generator=generator)
+        prompts = text_ids[starts[:, None] + torch.arange(length)]
+        if bos_token_id is not None:
+            prompts = torch.cat([torch.full((size, 1), bos_token_id, dtype=prompts.dtype),
+                                 prompts], dim=1)
+        batches.append(prompts)
+        remaining -= size
+    return batches
+
+
 def distillation_rows(tokens: torch.Tensor, hidden: torch.Tensor, prompt_len: int,
                       num_heads: int) -> DistillationSet:
     """Rows from continuation positions: h_t -> (x_{t+2}, ..., x_{t+1+K}).
@@ -169,10 +201,17 @@ def concat(sets: list[DistillationSet]) -> DistillationSet:
 def generate_distillation_data(base: BaseLM, options: TrainOptions, sample_ids: torch.Tensor,
                                bos_token_id: int | None,
                                log: Callable[[str], None] = print,
+                               text_ids: torch.Tensor | None = None,
                                ) -> tuple[DistillationSet, DistillationSet]:
-    """(train, held-out) rows from ``options.samples`` greedy continuations."""
+    """(train, held-out) rows from ``options.samples`` greedy continuations.
+
+    Prompts are windows of ``text_ids`` when given, random tokens of ``sample_ids`` otherwise.
+    """
     generator = torch.Generator().manual_seed(options.seed)
-    batches = random_prompts(options.samples, options, sample_ids, bos_token_id, generator)
+    if text_ids is not None:
+        batches = text_prompts(options.samples, options, text_ids, bos_token_id, generator)
+    else:
+        batches = random_prompts(options.samples, options, sample_ids, bos_token_id, generator)
     train_sets, held_sets = [], []
     num_held = max(1, round(options.samples * options.holdout))
     done = 0
