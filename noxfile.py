@@ -122,8 +122,10 @@ def core(session: nox.Session) -> None:
     """ascend-core: its platform, worker and custom-op modules face vLLM."""
     _install_torch(session)
     _install_vllm(session)
-    # ninja: the reference torch_npu compiles its npu device with cpp_extension.load.
-    session.install("pytest", "ninja", *_local(*SIBLINGS["ascend-core"], "ascend-core"))
+    # ninja: the reference torch_npu compiles its npu device with cpp_extension.load;
+    # mooncake-host: the KV-transfer tests move blocks between two transfer engines.
+    session.install("pytest", "ninja", *_local(*SIBLINGS["ascend-core"]),
+                    f"{PACKAGES / 'ascend-core'}[mooncake-host]")
     session.run("pytest", str(PACKAGES / "ascend-core" / "tests"), str(ROOT / "testing"),
                 "-q", *session.posargs)
 
@@ -147,7 +149,8 @@ def e2e(session: nox.Session) -> None:
     _install_vllm(session)
     # Editable, with the leaf packages' test extras (their vLLM-facing tests run here);
     # ninja: the npu-target tests import the reference torch_npu, which compiles its device.
-    editable = [f"-e{PACKAGES / name}[test]" if name in SIBLINGS else f"-e{PACKAGES / name}"
+    # ascend-plugin's pd-host: the prefill/decode tests' Mooncake transfer engine.
+    editable = [f"-e{PACKAGES / name}[{'test' if name in SIBLINGS else 'pd-host'}]"
                 for name in ALL]
     session.install("pytest", "pytest-xdist", "ninja", *editable)
     # Two test files at a time: an engine start is mostly one core's Python work, so two
@@ -199,6 +202,8 @@ def demo(session: nox.Session) -> None:
     _install_torch(session)
     _install_vllm(session)
     session.install(*_local(*ALL))
+    if "--pd" in session.posargs:  # the Mooncake transfer engine
+        session.install(f"{PACKAGES / 'ascend-plugin'}[pd-host]")
     session.run("python", "-m", "ascend_plugin.demo", *session.posargs, env=DEMO_MODEL_ENV)
 
 

@@ -106,6 +106,18 @@ def test_general_plugin_is_idempotent_and_registers_ops(monkeypatch):
         op_registry_oot.update(saved)
 
 
+def test_general_plugin_registers_the_mooncake_connector_once(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    monkeypatch.setenv("VLLM_ASCEND_TARGET", "host")
+    general_plugin()
+    general_plugin()  # vLLM's factory raises on a second registration of a name
+    cls = KVConnectorFactory.get_connector_class_by_name("MooncakeConnectorV1")
+    assert cls.__module__ == "ascend_core.distributed.kv_transfer.vllm_mooncake_connector"
+    # vLLM's own Mooncake connector keeps its name.
+    assert KVConnectorFactory.get_connector_class_by_name("MooncakeConnector") is not cls
+
+
 def test_inactive_plugin_does_not_touch_vllms_layers(monkeypatch, npu_visible):
     from vllm.model_executor.custom_op import op_registry_oot
 

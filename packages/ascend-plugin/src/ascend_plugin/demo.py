@@ -4,6 +4,7 @@
     python -m ascend_plugin.demo --model PATH     # any checkpoint vLLM can load
     python -m ascend_plugin.demo --serve          # keep serving after the requests
     python -m ascend_plugin.demo --medusa         # with Medusa speculative decoding
+    python -m ascend_plugin.demo --pd             # prefill/decode disaggregation (1P1D)
 
 The demo model is ``pycoder-26m``: a 26M-parameter Llama code model trained here on the
 Python standard library (``tools/train_demo_model.py``; committed under ``models/``, no
@@ -14,12 +15,17 @@ With ``--medusa`` the demo model is served with its three Medusa heads
 (``models/pycoder-26m-medusa``, self-distilled by ``python -m ascend_specdec.train_medusa`` in
 bf16 on standard-library prompts, committed beside it); the demo prints the mean acceptance
 length the server measured.
+
+With ``--pd`` it starts a prefill and a decode instance (MooncakeConnectorV1 over TCP on
+127.0.0.1, each pinned to its own CPU when there are two) and the proxy, sends the same
+requests to the proxy and prints how many prompts' KV blocks the decode instance pulled.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -45,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--medusa", action="store_true",
                         help="serve the demo model with its Medusa heads (k=3)")
+    parser.add_argument("--pd", action="store_true",
+                        help="prefill/decode disaggregation: a prefill and a decode instance "
+                             "behind ascend_plugin.pd_proxy (needs ascend-plugin[pd-host])")
     parser.add_argument("--serve", action="store_true",
                         help="keep the server running after the demo requests (Ctrl-C stops)")
     parser.add_argument("--log", default="vllm-demo-server.log",
@@ -58,6 +67,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model = args.model
     extra = [a for a in args.server_args if a != "--"]
+    if args.medusa and args.pd:
+        print("[demo] error: --medusa and --pd are separate demos: pick one", file=sys.stderr)
+        return 2
     if args.medusa and model is not None:
         print("[demo] error: --medusa serves the demo model with its own heads; for your "
               f"model ({model}) train heads with `python -m ascend_specdec.train_medusa` "
@@ -77,25 +89,57 @@ def main(argv=None) -> int:
           flush=True)
     print(f"[demo] server log: {args.log}", flush=True)
     start = time.monotonic()
+    if args.pd:
+        return run_pd_demo(args, model, extra, start)
     with running_server(model, port=args.port, extra_args=extra, log_path=args.log) as url:
         print(f"[demo] server ready at {url} after {time.monotonic() - start:.0f} s", flush=True)
-        for prompt in PROMPTS:
-            reply = complete(url, model, prompt, args.max_tokens)
-            print(f"\n/v1/completions  prompt: {prompt!r}\n  -> {reply['choices'][0]['text']!r}")
-        for message in CHAT:
-            reply = chat(url, model, message, args.max_tokens)
-            answer = reply["choices"][0]["message"]["content"]
-            print(f"\n/v1/chat/completions  user: {message!r}\n  -> {answer!r}")
-        print(flush=True)
+        ask_everything(url, model, args.max_tokens)
         if args.medusa:
             print_acceptance(url)
-        if args.serve:
-            print(f"[demo] serving at {url}; Ctrl-C stops", flush=True)
-            try:
-                while True:
-                    time.sleep(3600)
-            except KeyboardInterrupt:
-                pass
+        serve_until_interrupted(url, args.serve)
+    print("[demo] done", flush=True)
+    return 0
+
+
+def ask_everything(url: str, model: str, max_tokens: int) -> None:
+    for prompt in PROMPTS:
+        reply = complete(url, model, prompt, max_tokens)
+        print(f"\n/v1/completions  prompt: {prompt!r}\n  -> {reply['choices'][0]['text']!r}")
+    for message in CHAT:
+        reply = chat(url, model, message, max_tokens)
+        answer = reply["choices"][0]["message"]["content"]
+        print(f"\n/v1/chat/completions  user: {message!r}\n  -> {answer!r}")
+    print(flush=True)
+
+
+def serve_until_interrupted(url: str, serve: bool) -> None:
+    if not serve:
+        return
+    print(f"[demo] serving at {url}; Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
+def run_pd_demo(args: argparse.Namespace, model: str, extra: list[str], start: float) -> int:
+    from ascend_plugin.pd_serving import running_pd
+
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = (str(cpus[0]), str(cpus[1])) if len(cpus) >= 2 else None
+    log_dir = os.path.dirname(os.path.abspath(args.log))
+    with running_pd(model, log_dir, extra_args=extra, cpus=pinned) as pd:
+        print(f"[demo] prefill {pd.prefill}, decode {pd.decode}, proxy {pd.proxy} ready after "
+              f"{time.monotonic() - start:.0f} s (logs: {pd.prefill_log}, {pd.decode_log}, "
+              f"{pd.proxy_log})", flush=True)
+        ask_everything(pd.proxy, model, args.max_tokens)
+        names = ("vllm:ascend_pd_pulls", "vllm:ascend_pd_failed_pulls")
+        totals = counter_totals(pd.decode, names)
+        print(f"[demo] PD: the decode instance pulled the KV blocks of "
+              f"{int(totals[names[0]])} prompts from the prefill instance "
+              f"({int(totals[names[1]])} pulls failed and were recomputed)", flush=True)
+        serve_until_interrupted(pd.proxy, args.serve)
     print("[demo] done", flush=True)
     return 0
 

@@ -71,9 +71,13 @@ def general_plugin() -> None:
         check_vllm_version()
     register_all()
     if target is not None:
+        from ascend_core.distributed.kv_transfer.vllm_registration import (
+            register_kv_connectors,
+        )
         from ascend_core.ops.vllm_custom_ops import register_with_vllm
 
         register_with_vllm()
+        register_kv_connectors()
 
 
 def register_all() -> None:

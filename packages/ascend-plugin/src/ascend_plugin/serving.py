@@ -39,27 +39,39 @@ def server_command(model: str, port: int, extra_args: Sequence[str] = ()) -> lis
             "--max-model-len", "1024", *extra_args]
 
 
+def launch_server(model: str, port: int, *, extra_args: Sequence[str] = (),
+                  env: dict[str, str] | None = None, log=subprocess.DEVNULL,
+                  cpus: str | None = None) -> subprocess.Popen:
+    """Start the server without waiting for it; ``cpus`` pins it (``taskset -c``)."""
+    full_env = {**HOST_DEFAULTS, **os.environ, **(env or {})}
+    pin = ["taskset", "-c", cpus] if cpus else []
+    return subprocess.Popen([*pin, *server_command(model, port, extra_args)], env=full_env,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def running_server(model: str, *, port: int | None = None, extra_args: Sequence[str] = (),
                    env: dict[str, str] | None = None, log_path: str | None = None,
-                   timeout: float = 600) -> Iterator[str]:
+                   timeout: float = 600, cpus: str | None = None) -> Iterator[str]:
     """Run the server until the block ends; yields its base URL."""
     port = port or free_port()
-    full_env = {**HOST_DEFAULTS, **os.environ, **(env or {})}
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(server_command(model, port, extra_args), env=full_env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = launch_server(model, port, extra_args=extra_args, env=env, log=log, cpus=cpus)
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(base_url, proc, timeout, log_path)
         yield base_url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
         if log_path:
             log.close()
 

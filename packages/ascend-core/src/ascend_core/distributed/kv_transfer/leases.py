@@ -1,0 +1,100 @@
+"""The blocks a prefill node holds for decode nodes, until pulled or expired.
+
+A lease starts when the prefill request finishes (its blocks are kept, not freed).
+A decode node *claims* it before reading (which also renews it, so it cannot expire
+mid-read) and *releases* it after. A lease nobody claims within the timeout expires:
+its blocks go back to vLLM and a late claim is refused, so a decode node never reads
+blocks that were handed to another request. Thread-safe: the side channel's thread
+claims and releases while the worker's step collects finished leases. No vLLM.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# How many ended leases are remembered, to answer a late or repeated claim clearly.
+_ENDED_MEMORY = 4096
+
+
+@dataclass
+class _Lease:
+    block_ids: tuple[int, ...]
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Claim:
+    status: str  # "ok", "pending" (not registered yet), "refused"
+    message: str = ""
+
+
+class LeaseTable:
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, _Lease] = {}
+        self._released: set[str] = set()
+        self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> why
+
+    def add(self, request_id: str, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._leases[request_id] = _Lease(tuple(block_ids),
+                                              self._clock() + self.timeout_s)
+
+    def claim(self, request_id: str, block_ids: Sequence[int]) -> Claim:
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or request_id in self._released:
+                why = "released" if request_id in self._released else self._ended.get(
+                    request_id)
+                if why is None:
+                    return Claim("pending")
+                return Claim("refused", f"the blocks of request {request_id!r} are no "
+                                        f"longer held here: {why}")
+            if self._clock() > lease.deadline:
+                return Claim("refused", f"the lease on request {request_id!r}'s blocks "
+                                        f"expired after {self.timeout_s:g} s")
+            outside = [b for b in block_ids if b not in set(lease.block_ids)]
+            if outside:
+                return Claim("refused",
+                             f"block id {outside[0]} is not one of the {len(lease.block_ids)} "
+                             f"blocks held for request {request_id!r} ({list(lease.block_ids)})")
+            lease.deadline = self._clock() + self.timeout_s
+            return Claim("ok")
+
+    def release(self, request_id: str) -> bool:
+        """The decode node is done with the blocks (pulled, or not needed)."""
+        with self._lock:
+            if request_id not in self._leases or request_id in self._released:
+                return False
+            self._released.add(request_id)
+            return True
+
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        """(released, expired) request ids since the last call; their blocks may go."""
+        now = self._clock()
+        with self._lock:
+            released = set(self._released)
+            expired = {rid for rid, lease in self._leases.items()
+                       if rid not in released and now > lease.deadline}
+            for rid in released:
+                self._end(rid, "a decode node already pulled them")
+            for rid in expired:
+                self._end(rid, f"their lease expired after {self.timeout_s:g} s")
+            self._released.clear()
+            return released, expired
+
+    def _end(self, request_id: str, why: str) -> None:
+        self._leases.pop(request_id, None)
+        self._ended[request_id] = why
+        while len(self._ended) > _ENDED_MEMORY:
+            self._ended.popitem(last=False)
+
+    def held_blocks(self) -> int:
+        with self._lock:
+            return sum(len(lease.block_ids) for lease in self._leases.values())

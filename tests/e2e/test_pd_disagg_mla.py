@@ -1,0 +1,92 @@
+"""Prefill/decode disaggregation of an MLA model (tiny DeepSeek-V3) on the npu target, on
+the reference torch_npu: the Ascend MLA backend keeps two caches per layer (the latent
+``kv_lora_rank`` part and the rope part, ``ascend_core.attention.npu_mla``), and both are
+pulled, over TCP, behind the proxy. The reference is the prefill server answering alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from test_npu_target import NPU, TOP_LOGPROBS, assert_equal_up_to_near_ties
+
+from ascend_plugin.pd_serving import running_pd
+from ascend_plugin.serving import post_json
+
+from pd_runs import ALL_PROMPTS, counters, kv_cache_usage, wait_for
+
+# Weights wide enough that the model's next-token choices are clear (at the default 0.02 a
+# random model is nearly uniform, and any cache, right or wrong, gives near-ties).
+STD = 0.2
+
+
+@pytest.fixture(scope="module")
+def deepseek() -> str:
+    from ascend_plugin.tiny_drafts import ensure_deepseek_mtp_model
+
+    return str(ensure_deepseek_mtp_model(std=STD))
+
+
+@pytest.fixture(scope="module")
+def pd_mla(deepseek, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd_mla")
+    tcp = {"protocol": "tcp"}
+    with running_pd(deepseek, str(logs), extra_args=["--enforce-eager", "--dtype", "bfloat16",
+                                                     "--gpu-memory-utilization", "0.2"],
+                    prefill_extra=tcp, decode_extra=tcp, cpus=("0", "1"),
+                    env=NPU) as deployment:
+        yield deployment
+
+
+def completion(url: str, model: str, prompt: str, **fields) -> tuple[list[int], list[dict]]:
+    """Greedy token ids and, per position, the top logprobs by token id."""
+    reply = post_json(url + "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0.0,
+        "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, **fields})
+    logprobs = reply["choices"][0]["logprobs"]
+    ids = [int(token.removeprefix("token_id:")) for token in logprobs["tokens"]]
+    tops = [{token.removeprefix("token_id:"): value for token, value in top.items()}
+            for top in logprobs["top_logprobs"]]
+    return ids, tops
+
+
+def as_run(replies) -> dict:
+    return {"prompt_token_ids": None, "token_ids": [ids for ids, _ in replies],
+            "logprobs": [tops for _, tops in replies]}
+
+
+def test_mla_latent_and_rope_caches_are_pulled_and_answers_equal_the_colocated_ones(
+        pd_mla, deepseek):
+    reference = [completion(pd_mla.prefill, deepseek, prompt) for prompt in ALL_PROMPTS]
+    before = counters(pd_mla.decode)
+    with ThreadPoolExecutor(len(ALL_PROMPTS)) as pool:
+        answers = list(pool.map(lambda p: completion(pd_mla.proxy, deepseek, p), ALL_PROMPTS))
+    # The decode server computes each prompt's last token against the pulled cache, the
+    # colocated one within its prompt pass: in bfloat16 they may part at a near-tie.
+    assert_equal_up_to_near_ties(as_run(answers), as_run(reference), "MLA PD vs colocated")
+    assert sum(a[0] == r[0] for a, r in zip(answers, reference)) >= len(ALL_PROMPTS) - 2
+    after = counters(pd_mla.decode)
+    assert after["vllm:ascend_pd_pulls"] - before["vllm:ascend_pd_pulls"] == len(ALL_PROMPTS)
+    assert after["vllm:ascend_pd_failed_pulls"] == before["vllm:ascend_pd_failed_pulls"]
+    wait_for(lambda: kv_cache_usage(pd_mla.prefill) == 0.0, 10,
+             "the prefill server freed its blocks")
+    log = open(pd_mla.prefill_log).read()
+    planes = int(re.search(r"MooncakeConnectorV1 \(kv_producer, rank 0\): (\d+) KV planes",
+                           log).group(1))
+    layers = json.load(open(f"{deepseek}/config.json"))["num_hidden_layers"]
+    assert planes == 2 * layers  # the latent and the rope plane of every layer
+
+
+def test_the_comparison_tells_a_wrong_cache_apart(pd_mla, deepseek):
+    """Prompt 0 answered from prompt 1's pulled cache (a lease the prefill node does hold)
+    parts from prompt 0's colocated answer far from any near-tie."""
+    reference = completion(pd_mla.prefill, deepseek, ALL_PROMPTS[0])
+    params = post_json(pd_mla.prefill + "/v1/completions", {
+        "model": deepseek, "prompt": ALL_PROMPTS[1], "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
+    wrong = completion(pd_mla.decode, deepseek, ALL_PROMPTS[0], kv_transfer_params=params)
+    with pytest.raises(AssertionError, match="not a near-tie|is not in the top"):
+        assert_equal_up_to_near_ties(as_run([wrong]), as_run([reference]), "wrong cache")

@@ -1,0 +1,50 @@
+"""Prefill/decode disaggregation on the npu target, on the reference torch_npu: two real
+OpenAI servers on the npu platform (NPUWorker, NPUModelRunner, ASCEND_ATTN, KV caches on
+the reference's npu device), MooncakeConnectorV1 over TCP (the Mooncake build for NPUs and
+its ``ascend`` protocol need real NPUs), behind the proxy.
+
+The reference is the prefill server answering alone: the same backend on the same device,
+so the answers are compared exactly.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from test_npu_target import NPU
+
+from ascend_plugin.pd_serving import running_pd
+
+from pd_runs import ALL_PROMPTS, MODEL, completion, counters, kv_cache_usage, text, wait_for
+from vllm_runs import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def pd_npu(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd_npu")
+    tcp = {"protocol": "tcp"}
+    with running_pd(MODEL, str(logs), extra_args=["--enforce-eager",
+                                                  "--gpu-memory-utilization", "0.2"],
+                    prefill_extra=tcp, decode_extra=tcp, cpus=("0", "1"),
+                    env=NPU) as deployment:
+        yield deployment
+
+
+def test_npu_target_pd_answers_what_the_prefill_server_answers_alone(pd_npu):
+    reference = [text(completion(pd_npu.prefill, prompt)) for prompt in ALL_PROMPTS]
+    before = counters(pd_npu.decode)
+    with ThreadPoolExecutor(len(ALL_PROMPTS)) as pool:
+        answers = list(pool.map(lambda p: text(completion(pd_npu.proxy, p)), ALL_PROMPTS))
+    assert answers == reference
+    after = counters(pd_npu.decode)
+    assert after["vllm:ascend_pd_pulls"] - before["vllm:ascend_pd_pulls"] == len(ALL_PROMPTS)
+    assert after["vllm:ascend_pd_failed_pulls"] == before["vllm:ascend_pd_failed_pulls"]
+    pulled = after["vllm:ascend_pd_pulled_bytes"] - before["vllm:ascend_pd_pulled_bytes"]
+    # bfloat16 K and V planes per layer: 8 layers x 2 x 128 tokens x 2 kv heads x 64 x 2 B.
+    assert pulled == (len(PROMPTS) + 3) * 8 * 2 * 128 * 2 * 64 * 2
+    wait_for(lambda: kv_cache_usage(pd_npu.prefill) == 0.0, 10,
+             "the prefill server freed its blocks")
+    log = open(pd_npu.prefill_log).read()
+    assert "Ascend plugin active: npu target (AscendPlatform)" in log
+    assert "MooncakeConnectorV1 (kv_producer, rank 0): 16 KV planes" in log
