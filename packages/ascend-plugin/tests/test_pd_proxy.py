@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -226,3 +227,126 @@ def test_backend_urls_are_checked():
         parse_args(["--prefill", "p1:8100", "--decode", "http://d1:8200"])
     args = parse_args(["--prefill", *PREFILLS, "--decode", DECODES[0], "--port", "9000"])
     assert args.prefill == PREFILLS and args.decode == DECODES[:1] and args.port == 9000
+
+
+class Generating(Backends):
+    """Decode instances that stream the words w0 w1 w2 ..., one per event with usage as
+    vLLM counts it, continuing a prompt that already ends in some of them (as a model
+    would); ``cut[host] = n`` makes that host fail after its n-th event."""
+
+    def __init__(self):
+        super().__init__()
+        self.cut: dict[str, int] = {}
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        host = f"http://{request.url.host}:{request.url.port}"
+        if not host.startswith("http://d") or request.url.path == "/health" or \
+                host in self.down | self.broken:
+            return await super().__call__(request)
+        body = json.loads(request.content)
+        self.seen.append((host, request.url.path, body))
+        chat = request.url.path.endswith("/chat/completions")
+        context = body["messages"][-1]["content"] if chat else body["prompt"]
+        start = len(re.findall(r"w\d+", context))
+        budget = body.get("max_completion_tokens") or body["max_tokens"]
+        options = body.get("stream_options") or {}
+
+        def event(index: int, piece: str, finish: str | None) -> bytes:
+            choice = {"index": 0, "finish_reason": finish}
+            choice.update({"delta": {"content": piece}} if chat else {"text": piece})
+            payload = {"id": f"cmpl-{host}", "created": 1, "choices": [choice]}
+            if options.get("continuous_usage_stats"):
+                payload["usage"] = {"prompt_tokens": 5, "completion_tokens": index + 1,
+                                    "total_tokens": 6 + index}
+            return f"data: {json.dumps(payload)}\n\n".encode()
+
+        async def stream():
+            if chat:
+                opening = {"id": f"cmpl-{host}", "created": 1,
+                           "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                               "content": ""}}]}
+                yield f"data: {json.dumps(opening)}\n\n".encode()
+            for index in range(budget):
+                if self.cut.get(host) == index:
+                    raise httpx.ReadError("peer closed connection", request=request)
+                word = f"w{start + index}"
+                piece = word if start + index == 0 else " " + word
+                yield event(index, piece, "length" if index == budget - 1 else None)
+            if options.get("include_usage"):
+                usage = {"prompt_tokens": 5, "completion_tokens": budget,
+                         "total_tokens": 5 + budget}
+                yield f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n" \
+                    .encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=stream())
+
+
+def events_of(reply: httpx.Response) -> list[dict]:
+    lines = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_decode_instance_that_dies_mid_stream_is_replaced_keeping_the_streamed_text(path):
+    backends = Generating()
+    backends.cut["http://d1:8200"] = 3
+    chat = path.endswith("chat/completions")
+    body = {"model": "m", "max_tokens": 7, "stream": True,
+            "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "count"}]} if chat else
+                {"prompt": "count:"})
+
+    async def go():
+        proxy, client = make(backends)
+        reply = await client.post(path, json=body)
+        return reply, (await client.get("/metrics")).text, proxy
+
+    reply, metrics, proxy = run(go())
+    events = events_of(reply)
+    pieces = [(c.get("delta") or {}).get("content", "") if chat else c["text"]
+              for e in events for c in e["choices"]]
+    assert "".join(pieces) == "w0 w1 w2 w3 w4 w5 w6"
+    # One stream to the client: one id, usage only at the end (as asked), counted in full.
+    assert {e["id"] for e in events} == {"cmpl-http://d1:8200"}
+    assert [e.get("usage") for e in events[:-1]] == [None] * (len(events) - 1)
+    assert events[-1]["usage"]["completion_tokens"] == 7
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    # The second decode instance continued: prompt plus the 3 streamed words, 4 to go,
+    # after a new prefill of that prompt.
+    first, second = backends.bodies("http://d")
+    assert first["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert second["max_tokens"] == 4
+    if chat:
+        assert second["messages"][-1] == {"role": "assistant", "content": "w0 w1 w2"}
+        assert second["continue_final_message"] is True
+        assert second["add_generation_prompt"] is False
+    else:
+        assert second["prompt"] == "count:w0 w1 w2"
+    assert [b["prompt" if not chat else "messages"] for b in backends.bodies("http://p")] \
+        == [body.get("prompt", body.get("messages")), second.get("prompt",
+                                                                 second.get("messages"))]
+    assert not proxy.decode.backends[0].healthy
+    assert "ReadError mid-stream" in proxy.decode.backends[0].last_error
+    assert 'pd_proxy_retries_total{role="decode"} 1.0' in metrics
+    assert [b.in_flight for b in proxy.backends()] == [0, 0, 0, 0]
+
+
+def test_a_stream_that_fails_twice_ends_with_an_error_event_not_a_hang():
+    backends = Generating()
+    backends.cut.update({"http://d1:8200": 2, "http://d2:8200": 1})
+
+    async def go():
+        _, client = make(backends)
+        return await client.post("/v1/completions", json={
+            "model": "m", "prompt": "p", "max_tokens": 6, "stream": True})
+
+    events = events_of(run(go()))
+    assert "".join(c["text"] for e in events[:-1] for c in e["choices"]) == "w0 w1 w2"
+    assert all("usage" not in e for e in events[:-1])  # the client did not ask for usage
+    assert events[-1]["error"]["code"] == 502
+    assert "decode instance http://d2:8200 failed: ReadError mid-stream" in \
+        events[-1]["error"]["message"]
+    assert "retried once already" in events[-1]["error"]["message"]

@@ -10,8 +10,11 @@ the ``kv_transfer_params`` that locate them. The request then goes, unchanged bu
 those parameters, to the least loaded decode instance, which pulls the blocks and
 generates the answer (streamed when the client asked for a stream). A backend that does
 not answer or answers 5xx is taken out of rotation (until its ``/health`` answers again)
-and the request is retried once on another instance of the same kind. ``/health`` and
-``/metrics`` (Prometheus) describe the proxy and its backends.
+and the request is retried once on another instance of the same kind. A decode instance
+that fails in the middle of a stream is replaced the same way: the request, extended by
+the text already streamed and with the rest of its token budget, is prefilled again and
+another decode instance continues the stream. ``/health`` and ``/metrics`` (Prometheus)
+describe the proxy and its backends.
 
 Built on what vLLM's OpenAI server already installs: FastAPI, uvicorn and httpx.
 """
@@ -191,30 +194,84 @@ class PDProxy:
                                          f"and kv_role kv_producer")
         return params
 
-    async def forward(self, path: str, body: dict) -> Response:
+    async def _prefill_then_decode(self, path: str, body: dict
+                                   ) -> tuple[Backend, httpx.Response] | Response:
+        """The decode instance's open response, or a response to return as is."""
         params = await self._prefill(path, body)
         if isinstance(params, Response):
             return params
-        backend, reply = await self._send(self.decode, path,
-                                          {**body, "kv_transfer_params": params})
+        return await self._send(self.decode, path, {**body, "kv_transfer_params": params})
+
+    async def forward(self, path: str, body: dict) -> Response:
+        if body.get("stream"):
+            decode_body = {**body, "stream_options": {
+                **(body.get("stream_options") or {}), "include_usage": True,
+                "continuous_usage_stats": True}}
+        else:
+            decode_body = body
+        opened = await self._prefill_then_decode(path, decode_body)
+        if isinstance(opened, Response):
+            return opened
+        backend, reply = opened
         media_type = reply.headers.get("content-type")
-        if not body.get("stream"):
+        if not body.get("stream") or reply.status_code != 200:
             try:
                 content = await reply.aread()
             finally:
                 await reply.aclose()
                 self._end(backend)
             return Response(content, status_code=reply.status_code, media_type=media_type)
+        return StreamingResponse(self._relay(path, body, decode_body, backend, reply),
+                                 status_code=200, media_type=media_type)
 
-        async def relay() -> AsyncIterator[bytes]:
+    async def _relay(self, path: str, body: dict, decode_body: dict, backend: Backend,
+                     reply: httpx.Response) -> AsyncIterator[bytes]:
+        """Relay a decode instance's event stream. If that instance fails mid-stream, it
+        leaves rotation and another one continues the answer once (prompt plus the text
+        already streamed, the token budget less the tokens already streamed)."""
+        stream = StreamState(path, body)
+        retried = False
+        while True:
             try:
-                async for chunk in reply.aiter_bytes():
-                    yield chunk
+                async for event in _events(reply):
+                    out = stream.take(event)
+                    if out is not None:
+                        yield out
+                if stream.done:
+                    return
+                failure = "the event stream ended before [DONE]"
+            except httpx.HTTPError as err:
+                failure = f"{type(err).__name__} mid-stream: {err}"
             finally:
                 await reply.aclose()
                 self._end(backend)
-
-        return StreamingResponse(relay(), status_code=reply.status_code, media_type=media_type)
+            self._take_out(backend, failure)
+            rest = stream.continuation(decode_body)
+            if retried or rest is None:
+                why = "retried once already" if retried else "the request cannot be continued"
+                yield stream.error(f"decode instance {backend.url} failed: {failure} ({why})")
+                return
+            if rest == "complete":
+                yield stream.finish()
+                return
+            retried = True
+            self.metrics.retries.labels("decode").inc()
+            logger.warning("pd_proxy: continuing a stream on another decode instance after "
+                           "%d streamed tokens: %s failed: %s", stream.tokens, backend.url,
+                           failure)
+            try:
+                opened = await self._prefill_then_decode(path, rest)
+            except (NoBackend, BackendFailed) as err:
+                yield stream.error(str(err))
+                return
+            if isinstance(opened, Response) or opened[1].status_code != 200:
+                if not isinstance(opened, Response):
+                    await opened[1].aclose()
+                    self._end(opened[0])
+                yield stream.error("the continuation of the stream was refused")
+                return
+            backend, reply = opened
+            stream.continuing()
 
     async def check_health_once(self) -> None:
         """Put instances whose /health answers 200 back into rotation."""
@@ -294,6 +351,127 @@ class PDProxy:
         except httpx.HTTPError as err:
             self._take_out(backend, f"{type(err).__name__}: {err}")
             raise BackendFailed(backend, str(err)) from err
+
+
+async def _events(reply: httpx.Response) -> AsyncIterator[bytes]:
+    """The server-sent events of a response, one ``data: ...`` event at a time."""
+    buffer = b""
+    async for chunk in reply.aiter_bytes():
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            if event.strip():
+                yield event
+
+
+class StreamState:
+    """What a relayed stream has sent so far: its text, its tokens, its first id.
+
+    Decode instances are asked for usage in every event (``continuous_usage_stats``),
+    which counts the tokens streamed; the client sees usage only as it asked for it."""
+
+    def __init__(self, path: str, body: dict):
+        self.chat = path.endswith("/chat/completions")
+        asked = body.get("stream_options") or {}
+        self.usage_wanted = bool(asked.get("include_usage"))
+        self.usage_each_event = self.usage_wanted and bool(asked.get("continuous_usage_stats"))
+        self.text = ""
+        self.tokens = 0  # completion tokens streamed, over every decode instance
+        self.earlier_tokens = 0  # of those, streamed by instances that failed
+        self.prompt_tokens: int | None = None
+        self.first: dict | None = None  # id, created, model of the first event
+        self.done = False
+        self.finished = False  # a choice ended (finish_reason) before a failure
+
+    def continuing(self) -> None:
+        self.earlier_tokens = self.tokens
+
+    def _usage(self, usage: dict) -> dict:
+        if self.prompt_tokens is None:
+            self.prompt_tokens = usage.get("prompt_tokens", 0)
+        completion = self.earlier_tokens + (usage.get("completion_tokens") or 0)
+        return {**usage, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def take(self, event: bytes) -> bytes | None:
+        """The event to send to the client (None: drop it)."""
+        if not event.startswith(b"data: "):
+            return event + b"\n\n"
+        data = event[6:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return b"data: [DONE]\n\n"
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return event + b"\n\n"
+        if not isinstance(payload, dict) or "choices" not in payload:
+            return event + b"\n\n"  # an error event: pass it on
+        if self.first is None:
+            self.first = {k: payload[k] for k in ("id", "created") if k in payload}
+        elif self.earlier_tokens:
+            payload.update(self.first)  # a continuation keeps the stream's id
+        usage = payload.get("usage")
+        if usage:
+            usage = self._usage(usage)
+            self.tokens = usage["completion_tokens"]
+        choices = payload["choices"]
+        for choice in choices:
+            piece = (choice.get("delta") or {}).get("content") if self.chat else \
+                choice.get("text")
+            self.text += piece or ""
+            if piece and not usage:  # an instance that does not count: one per piece
+                self.tokens += 1
+            self.finished = self.finished or bool(choice.get("finish_reason"))
+        if self.earlier_tokens and self.chat and all(
+                not (c.get("delta") or {}).get("content") and not c.get("finish_reason")
+                for c in choices) and choices:
+            return None  # the continuation's opening role event
+        if not choices:  # the closing usage event
+            if not self.usage_wanted:
+                return None
+            payload["usage"] = usage
+        elif self.usage_each_event:
+            payload["usage"] = usage
+        else:
+            payload.pop("usage", None)
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+    def continuation(self, body: dict) -> dict | str | None:
+        """The request that continues ``body`` after what was streamed; "complete" when
+        nothing is left to generate; None when it cannot be continued (several choices
+        or prompts, echo)."""
+        if self.finished:
+            return "complete"
+        if body.get("n", 1) != 1 or body.get("echo"):
+            return None
+        rest = {**body}
+        for key in ("max_tokens", "max_completion_tokens"):
+            if rest.get(key) is not None:
+                rest[key] -= self.tokens
+                if rest[key] <= 0:
+                    return "complete"
+        if self.chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return None
+            rest["messages"] = [*messages, {"role": "assistant", "content": self.text}]
+            rest["continue_final_message"] = True
+            rest["add_generation_prompt"] = False
+        else:
+            if not isinstance(body.get("prompt"), str):
+                return None
+            rest["prompt"] = body["prompt"] + self.text
+        return rest
+
+    def finish(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+    def error(self, message: str) -> bytes:
+        logger.error("pd_proxy: stream failed: %s", message)
+        error = {"error": {"message": message, "type": "BadGateway", "code": 502}}
+        return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def _url(value: str) -> str:
