@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 logger = logging.getLogger("ascend_plugin.pd_proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+KEEPALIVE_S = 2.0
 
 
 @dataclass
@@ -113,8 +114,12 @@ class PDProxy:
         self.prefill = Pool("prefill", prefill_urls)
         self.decode = Pool("decode", decode_urls)
         self.health_interval_s = health_interval_s
+        # Idle connections are dropped well before vLLM's server closes them (uvicorn's
+        # keep-alive of VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a request sent on a connection
+        # the server is closing fails with a ReadError that would look like a dead backend.
         self.client = httpx.AsyncClient(
-            transport=transport, timeout=httpx.Timeout(timeout_s, connect=10.0))
+            transport=transport, timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
         self.metrics = Metrics()
         for backend in self.backends():
             self.metrics.healthy.labels(backend.role, backend.url).set(1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 # Defaults only: a user's own setting (VLLM_ASCEND_TARGET=npu on an NPU machine) wins.
 HOST_DEFAULTS = {
@@ -27,8 +29,31 @@ HOST_DEFAULTS = {
 }
 
 
+_RANDOM = random.SystemRandom()  # not the seeded global: parallel test workers differ
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free now, below the kernel's ephemeral range: a port asked for with bind(0)
+    (vLLM's internal sockets, the transfer engine's) never takes it before the server that
+    was told to use it starts listening there."""
+    low, _ = _ephemeral_ports()
+    for _ in range(200):
+        port = _RANDOM.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # a crowded range: any port the kernel gives
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
@@ -42,11 +67,24 @@ def server_command(model: str, port: int, extra_args: Sequence[str] = ()) -> lis
 def launch_server(model: str, port: int, *, extra_args: Sequence[str] = (),
                   env: dict[str, str] | None = None, log=subprocess.DEVNULL,
                   cpus: str | None = None) -> subprocess.Popen:
-    """Start the server without waiting for it; ``cpus`` pins it (``taskset -c``)."""
+    """Start the server without waiting for it; ``cpus`` pins it (``taskset -c``). It leads
+    a process group of its own (its engine core processes with it), so that
+    ``kill_server`` stops all of them as a machine failure would."""
     full_env = {**HOST_DEFAULTS, **os.environ, **(env or {})}
     pin = ["taskset", "-c", cpus] if cpus else []
     return subprocess.Popen([*pin, *server_command(model, port, extra_args)], env=full_env,
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_server(proc: subprocess.Popen) -> None:
+    """SIGKILL the server and its engine processes at once: an instance that dies."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # not a group leader: the process alone
+        proc.kill()
+    proc.wait()
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -54,8 +92,7 @@ def stop_server(proc: subprocess.Popen) -> None:
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        kill_server(proc)
 
 
 @contextlib.contextmanager

@@ -78,7 +78,8 @@ def ask(host: str, port: int, message: dict, timeout_s: float,
     except zmq.Again as err:
         raise SideChannelError(
             f"no answer from the prefill node's side channel at {address} within "
-            f"{timeout_s:g} s") from err
+            f"{timeout_s:.3g} s: is a MooncakeConnectorV1 kv_producer up with that kv_port?"
+        ) from err
     except zmq.ZMQError as err:
         raise SideChannelError(f"side channel to {address} failed: {err}") from err
     finally:
