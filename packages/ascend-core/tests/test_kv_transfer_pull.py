@@ -242,3 +242,19 @@ def test_prefill_tp_2_to_decode_tp_1_assembles_each_block_from_both_ranks():
     finally:
         for _, _, server, _ in ranks:
             server.close()
+
+
+def test_a_kv_port_in_use_is_refused_with_the_address_and_what_to_change(prefill):
+    from ascend_core.distributed.kv_transfer.side_channel import SideChannelError, ask
+
+    with pytest.raises(SideChannelError) as refused:
+        SideChannelServer(HOST, prefill.port, prefill.side.handle)
+    message = str(refused.value)
+    assert message.startswith(f"cannot listen on tcp://{HOST}:{prefill.port} for the KV side "
+                              f"channel (")
+    assert message.endswith("pick a free kv_port (each rank uses kv_port + its "
+                            "tensor-parallel rank)")
+    assert "\n" not in message
+    # The server that holds the port still answers on it.
+    assert ask(HOST, prefill.port, {"op": "release", "engine_id": "prefill-0",
+                                    "request_id": "nobody"}, 2.0) == {"status": "ok"}
