@@ -25,7 +25,8 @@ def mixed_prompts() -> list[str]:
     return [*PROMPTS, *held_out_prompts(16), LONG_PROMPT, *shared]
 MAX_TOKENS = 16
 COUNTERS = ["vllm:ascend_pd_pulls", "vllm:ascend_pd_failed_pulls",
-            "vllm:ascend_pd_expired_leases", "vllm:ascend_pd_pulled_bytes"]
+            "vllm:ascend_pd_expired_leases", "vllm:ascend_pd_pulled_bytes",
+            "vllm:ascend_pd_pull_seconds"]
 
 
 def completion(url: str, prompt: str, **fields) -> dict:

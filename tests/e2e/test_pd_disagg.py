@@ -111,7 +111,7 @@ def test_32_concurrent_requests_through_2p2d_answer_what_a_colocated_server_answ
     decodes = [i.url for i in pd.decodes]
     before = {name: summed(decodes, name) for name in
               ("vllm:ascend_pd_pulls", "vllm:ascend_pd_failed_pulls",
-               "vllm:ascend_pd_pulled_bytes")}
+               "vllm:ascend_pd_pulled_bytes", "vllm:ascend_pd_pull_seconds")}
     assert through_proxy(pd, PROMPTS_32) == [reference[p] for p in PROMPTS_32]
     # Every prompt's KV was pulled, none recomputed. Prompts sharing a prefix may find its
     # blocks in a decode node's prefix cache: at least each one's last block is pulled.
@@ -120,6 +120,9 @@ def test_32_concurrent_requests_through_2p2d_answer_what_a_colocated_server_answ
         before["vllm:ascend_pd_failed_pulls"]
     pulled = summed(decodes, "vllm:ascend_pd_pulled_bytes") - \
         before["vllm:ascend_pd_pulled_bytes"]
+    seconds = summed(decodes, "vllm:ascend_pd_pull_seconds") - \
+        before["vllm:ascend_pd_pull_seconds"]
+    assert 0 < seconds < 32 * SIDE_CHANNEL_TIMEOUT_S
     most = sum(-(-(len(prompt_tokens(pd, p)) + 1) // BLOCK_TOKENS) for p in PROMPTS_32)
     assert 32 * BLOCK_BYTES <= pulled <= most * BLOCK_BYTES
     # Both instances of each kind served; afterwards the prefill nodes hold no blocks.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -89,7 +90,7 @@ class MooncakeTransferStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-_STAT_KEYS = ("pulls", "failed_pulls", "pulled_bytes", "expired_leases")
+_STAT_KEYS = ("pulls", "failed_pulls", "pulled_bytes", "pull_seconds", "expired_leases")
 
 
 class MooncakePromMetrics(KVConnectorPromMetrics):
@@ -102,6 +103,7 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
             "failed_pulls": "Pulls that failed; their blocks were recomputed or the request "
                             "failed (kv_load_failure_policy).",
             "pulled_bytes": "Bytes of KV cache pulled from prefill nodes.",
+            "pull_seconds": "Seconds the pulls took (claim, reads, release), summed.",
             "expired_leases": "Requests whose kept KV blocks this prefill node freed because "
                               "no decode node pulled them within lease_timeout_s.",
         }
@@ -361,9 +363,14 @@ class _WorkerSide:
         for request_id, block_ids in meta.leases.items():
             self.leases.add(request_id, block_ids)
         for task in meta.pulls:
-            future = self._pool.submit(self.decode.pull, task)
+            future = self._pool.submit(self._timed_pull, task)
             if task.local_block_ids:
                 self._inflight[task.request_id] = (task, future)
+
+    def _timed_pull(self, task: PullTask) -> tuple[int, float]:
+        started = time.perf_counter()
+        read = self.decode.pull(task)
+        return read, time.perf_counter() - started
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         released, expired = self.leases.take_finished()
@@ -380,8 +387,10 @@ class _WorkerSide:
             received.add(request_id)
             error = future.exception()
             if error is None:
+                read, seconds = future.result()
                 self._stats.data["pulls"] += 1
-                self._stats.data["pulled_bytes"] += future.result()
+                self._stats.data["pulled_bytes"] += read
+                self._stats.data["pull_seconds"] += seconds
                 continue
             logger.error("MooncakeConnectorV1: request %s: pulling its KV blocks failed, "
                          "they count as load errors: %s", request_id, error)
