@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def run_demo(*args: str, log) -> str:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_TARGET"}
@@ -17,19 +19,41 @@ def run_demo(*args: str, log) -> str:
     return proc.stdout
 
 
-def test_demo_serves_and_answers(tmp_path):
+def answers_of(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("  -> ")]
+
+
+@pytest.fixture(scope="module")
+def plain_demo(tmp_path_factory) -> tuple[str, Path]:
+    log = tmp_path_factory.mktemp("demo") / "server.log"
+    return run_demo("--max-tokens", "8", log=log), log
+
+
+def test_demo_serves_and_answers(plain_demo):
     from ascend_plugin.demo_model import demo_model_dir
 
-    out = run_demo("--max-tokens", "8", log=tmp_path / "server.log")
+    out, log_path = plain_demo
     assert out.count("/v1/completions  prompt:") == 2
     assert out.count("/v1/chat/completions  user:") == 2
-    answers = [line for line in out.splitlines() if line.startswith("  -> ")]
+    answers = answers_of(out)
     assert len(answers) == 4 and all(len(a) > len("  -> ''") for a in answers)
-    log = (tmp_path / "server.log").read_text()
+    log = log_path.read_text()
     assert "Ascend plugin active: host target (AscendHostPlatform)" in log
     assert str(demo_model_dir()) in log  # the demo model is the committed pycoder-26m
     # It writes Python: the completion of "def fibonacci(n):" opens an indented body.
     assert answers[0].startswith("  -> '\\n    ")
+
+
+def test_demo_with_pd_answers_what_the_plain_demo_answers(plain_demo, tmp_path):
+    out = run_demo("--pd", "--max-tokens", "8", log=tmp_path / "server.log")
+    assert re.search(r"\[demo\] prefill http://127\.0\.0\.1:\d+, decode http://127\.0\.0\.1:\d+, "
+                     r"proxy http://127\.0\.0\.1:\d+ ready", out), out[-2000:]
+    assert answers_of(out) == answers_of(plain_demo[0])
+    assert ("the decode instance pulled the KV blocks of 4 prompts from the prefill instance "
+            "(0 pulls failed and were recomputed)") in out
+    for name in ("prefill-0", "decode-0", "proxy"):
+        assert (tmp_path / f"{name}.log").is_file()
+    assert "Ascend plugin active: host target" in (tmp_path / "prefill-0.log").read_text()
 
 
 def test_demo_with_medusa_reports_acceptance(tmp_path):
