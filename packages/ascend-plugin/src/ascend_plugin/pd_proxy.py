@@ -14,8 +14,8 @@ and the request is retried once on another instance of the same kind. A decode i
 that fails in the middle of a stream is replaced the same way: the request, extended by
 what was already streamed (a completion's prompt and streamed token ids; a chat's text,
 as a final assistant message to continue) and with the rest of its token budget, is
-prefilled again and another decode instance continues the stream. ``/health`` and ``/metrics`` (Prometheus)
-describe the proxy and its backends.
+prefilled again and another decode instance continues the stream. ``/health`` and
+``/metrics`` (Prometheus) describe the proxy and its backends.
 
 Built on what vLLM's OpenAI server already installs: FastAPI, uvicorn and httpx.
 """
