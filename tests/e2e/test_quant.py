@@ -252,6 +252,12 @@ def per_scheme(result: dict) -> dict:
 
 
 def test_w8a8_dynamic_equals_stock_vllm(runs, float_dense):
+    """Our int8 GEMM sums exactly on every CPU; stock vLLM's CPU int8 kernel (oneDNN) does
+    only where the CPU has VNNI: without it, pairs of products saturate in int16. So the
+    plugin equals stock where stock is exact, and is never less faithful to the float
+    model than stock."""
+    from ascend_kernels.quant import _cpu_int_mm_is_exact
+
     plugin = served(runs, "ct_w8a8_dynamic")
     stock = runs.get("stock_w8a8_dynamic",
                      lambda: serve(runs.checkpoint("ct_w8a8_dynamic"), {}))
@@ -259,12 +265,15 @@ def test_w8a8_dynamic_equals_stock_vllm(runs, float_dense):
     assert plugin["quant_config"] == "AscendCompressedTensorsConfig"
     assert "AscendQuantLinearMethod" in methods(plugin)
     assert stock["quant_config"] == "CompressedTensorsConfig"
+    ours, theirs = compare(plugin, float_dense), compare(stock, float_dense)
+    report("W8A8_DYNAMIC vs float", ours)
+    report("stock vLLM's W8A8_DYNAMIC vs float", theirs)
+    assert ours["top1"] >= 0.85 and ours["min_corr"] > 0.98
+    assert ours["top1"] >= theirs["top1"] and ours["max_diff"] <= theirs["max_diff"] + 1e-3
     same = compare(plugin, stock)
     report("W8A8_DYNAMIC plugin vs stock vLLM", same)
-    assert same["top1"] == 1.0 and same["max_diff"] < 1e-3
-    stats = compare(plugin, float_dense)
-    report("W8A8_DYNAMIC vs float", stats)
-    assert stats["top1"] >= 0.85 and stats["min_corr"] > 0.98
+    if _cpu_int_mm_is_exact():  # oneDNN's int8 GEMM is exact here: so is stock
+        assert same["top1"] == 1.0 and same["max_diff"] < 1e-3
 
 
 def dequantized(runs, name: str) -> dict:

@@ -1,5 +1,5 @@
 """scaled_int8_mm's CPU reference path: exact int32 accumulation whether torch._int_mm
-takes the inputs or the int32 matmul fallback runs."""
+takes the inputs, refuses them, or is inexact on this CPU (oneDNN without VNNI)."""
 
 import pytest
 import torch
@@ -37,7 +37,14 @@ def test_extreme_sums_stay_exact():
     assert torch.equal(acc, expected)
 
 
-def test_falls_back_to_the_int32_matmul(monkeypatch):
+@pytest.fixture
+def fresh_probe():
+    quant._cpu_int_mm_is_exact.cache_clear()
+    yield
+    quant._cpu_int_mm_is_exact.cache_clear()
+
+
+def test_falls_back_to_the_float64_matmul(monkeypatch, fresh_probe):
     calls = []
 
     def refusing(a, b):
@@ -49,6 +56,32 @@ def test_falls_back_to_the_int32_matmul(monkeypatch):
     b = torch.randint(-128, 128, (40, 8), dtype=torch.int8)
     out = quant._int_matmul(a, b)
     assert calls and torch.equal(out, (a.long() @ b.long()).float())
+
+
+def _saturating_int_mm(a, b):
+    """oneDNN's int8 GEMM on a CPU without VNNI: a shifted to u8, pairs of u8 x s8
+    products summed in saturating int16 (vpmaddubsw), then the shift taken back."""
+    u = a.long() + 128
+    bl = b.long()
+    prods = u.unsqueeze(2) * bl.unsqueeze(0)  # [m, k, n]
+    if prods.shape[1] % 2:
+        prods = torch.cat([prods, torch.zeros_like(prods[:, :1])], 1)
+    pairs = (prods[:, 0::2] + prods[:, 1::2]).clamp(-32768, 32767)
+    return (pairs.sum(1) - 128 * bl.sum(0)).to(torch.int32)
+
+
+def test_an_inexact_int_mm_is_found_and_not_used(monkeypatch, fresh_probe):
+    monkeypatch.setattr(torch, "_int_mm", _saturating_int_mm)
+    a = torch.full((3, 64), 127, dtype=torch.int8)
+    b = torch.full((64, 5), 127, dtype=torch.int8)
+    assert not torch.equal(_saturating_int_mm(a, b), (a.long() @ b.long()).int())
+    assert not quant._cpu_int_mm_is_exact()
+    assert torch.equal(quant._int_matmul(a, b), (a.long() @ b.long()).float())
+
+
+def test_the_probe_accepts_an_exact_int_mm(monkeypatch, fresh_probe):
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: a.to(torch.int32) @ b.to(torch.int32))
+    assert quant._cpu_int_mm_is_exact()
 
 
 def test_non_contiguous_weight_views():

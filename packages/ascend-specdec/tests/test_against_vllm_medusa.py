@@ -1,6 +1,7 @@
 """Against vLLM (imports it): the proposer's interface for vLLM's runner, and our heads'
 drafts against vLLM's own Medusa model loading the same checkpoint."""
 
+import json
 import socket
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ from vllm.v1.spec_decode.medusa import MedusaProposer  # noqa: E402
 from ascend_core.registry import SPECULATIVE_PROPOSERS  # noqa: E402
 from ascend_core.worker.speculative import install_registered_proposer  # noqa: E402
 from ascend_specdec import register  # noqa: E402
-from ascend_specdec.medusa import MedusaConfigError, save_heads  # noqa: E402
+from ascend_specdec.medusa import MedusaConfigError, load_heads, save_heads  # noqa: E402
 from ascend_specdec.medusa.checkpoint import iter_safetensors  # noqa: E402
 from ascend_specdec.vllm.medusa_proposer import AscendMedusaProposer  # noqa: E402
 
@@ -122,7 +123,7 @@ def vllms_medusa(folder):
     return model
 
 
-@pytest.mark.parametrize("fields", [{}, {"num_hidden_layers": 2}, {"medusa_fc_bias": False},
+@pytest.mark.parametrize("fields", [{}, {"num_hidden_layers": 2}, {"medusa_fc_bias": True},
                                     {"original_lm_head": True},
                                     {"original_lm_head": True, "truncated_vocab_size": 12}])
 def test_drafts_equal_vllms_medusa_on_the_same_checkpoint(vllm_context, tmp_path, fields):
@@ -134,3 +135,19 @@ def test_drafts_equal_vllms_medusa_on_the_same_checkpoint(vllm_context, tmp_path
         logits = theirs.compute_logits(theirs(hidden))
     vllm_drafts = torch.stack([head_logits.argmax(-1) for head_logits in logits], dim=1)
     assert torch.equal(heads.propose(hidden), vllm_drafts)
+
+
+def test_a_config_without_medusa_fc_bias_reads_as_vllm_reads_it(vllm_context, tmp_path):
+    """No key (other tools' checkpoints): no bias in the blocks, here as in vLLM."""
+    heads = random_heads()
+    save_heads(heads, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["medusa_fc_bias"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours, theirs = load_heads(tmp_path), vllms_medusa(tmp_path)
+    assert not any(name.endswith(".bias") for name, _ in theirs.named_parameters())
+    hidden = torch.randn(64, 16)
+    with torch.no_grad():
+        logits = theirs.compute_logits(theirs(hidden))
+    vllm_drafts = torch.stack([head_logits.argmax(-1) for head_logits in logits], dim=1)
+    assert torch.equal(ours.propose(hidden), vllm_drafts)

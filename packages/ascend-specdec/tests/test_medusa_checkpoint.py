@@ -12,7 +12,7 @@ from medusa_cases import random_heads
 
 
 @pytest.mark.parametrize("fields", [{}, {"original_lm_head": True, "truncated_vocab_size": 12},
-                                    {"num_hidden_layers": 2, "medusa_fc_bias": False}])
+                                    {"num_hidden_layers": 2, "medusa_fc_bias": True}])
 def test_round_trip(tmp_path, fields):
     heads = random_heads(**fields)
     save_heads(heads, tmp_path)
@@ -26,7 +26,7 @@ def test_round_trip(tmp_path, fields):
 
 
 def test_tensor_names_are_the_ones_vllms_medusa_loads(tmp_path):
-    save_heads(random_heads(num_hidden_layers=2), tmp_path)
+    save_heads(random_heads(num_hidden_layers=2, medusa_fc_bias=True), tmp_path)
     names = set(load_file(tmp_path / "model.safetensors"))
     assert names == {f"blocks.{h}.layers.{n}.{p}" for h in range(3) for n in range(2)
                      for p in ("weight", "bias")} | {f"lm_heads.{h}.weight" for h in range(3)}
@@ -76,7 +76,40 @@ def test_missing_weights_are_named(tmp_path):
     heads.config.save(tmp_path)
     tensors = {k: v for k, v in heads.state_dict().items() if not k.startswith("blocks.2.")}
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(MedusaConfigError, match=r"no weights for \['blocks.2.layers.0.bias'"):
+    with pytest.raises(MedusaConfigError, match=r"no weights for \['blocks.2.layers.0.weight'"):
+        load_heads(tmp_path)
+
+
+def _vllm_format_folder(folder, heads, config_fields: dict, drop=()) -> None:
+    """A heads folder as other tools write it: config.json with only the given fields."""
+    config = {"architectures": ["MedusaModel"], "hidden_size": 16, "vocab_size": 40,
+              "num_heads": 3, **config_fields}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v for k, v in heads.state_dict().items() if not k.endswith(drop or "-")},
+              str(folder / "model.safetensors"))
+
+
+def test_a_config_without_medusa_fc_bias_and_blocks_without_bias_loads(tmp_path):
+    heads = random_heads()  # no bias, vLLM's default
+    _vllm_format_folder(tmp_path, heads, {})
+    loaded = load_heads(tmp_path)
+    assert not loaded.config.medusa_fc_bias
+    hidden = torch.randn(5, 16)
+    assert torch.equal(loaded.propose(hidden), heads.propose(hidden))
+
+
+def test_bias_tensors_the_config_does_not_declare_are_refused(tmp_path):
+    _vllm_format_folder(tmp_path, random_heads(medusa_fc_bias=True), {})
+    with pytest.raises(MedusaConfigError, match=r"residual-block biases \['blocks.0.layers.0.bias'"
+                                                 r".*set \"medusa_fc_bias\": true"):
+        load_heads(tmp_path)
+
+
+def test_a_declared_bias_missing_from_the_weights_is_refused(tmp_path):
+    _vllm_format_folder(tmp_path, random_heads(medusa_fc_bias=True), {"medusa_fc_bias": True},
+                        drop=".bias")
+    with pytest.raises(MedusaConfigError, match=r"medusa_fc_bias: true\) but the weights have "
+                                                 r"none for \['blocks.0.layers.0.bias'"):
         load_heads(tmp_path)
 
 
@@ -90,7 +123,7 @@ def test_truncated_config_without_token_map_is_refused(tmp_path):
 
 
 def test_wrong_shapes_are_refused(tmp_path):
-    save_heads(random_heads(), tmp_path)
+    save_heads(random_heads(medusa_fc_bias=True), tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "hidden_size": 32}))
     with pytest.raises(MedusaConfigError, match=r"bias has shape \(16,\), expected \(32,\)"):

@@ -17,8 +17,14 @@ def test_round_trip_writes_vllms_fields(tmp_path):
     assert {k: raw[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_hidden_layers",
                                 "truncated_vocab_size", "original_lm_head", "medusa_fc_bias")} == {
         "hidden_size": 128, "vocab_size": 2048, "num_heads": 4, "num_hidden_layers": 1,
-        "truncated_vocab_size": 512, "original_lm_head": True, "medusa_fc_bias": True}
+        "truncated_vocab_size": 512, "original_lm_head": True, "medusa_fc_bias": False}
     assert MedusaHeadsConfig.load(tmp_path) == config
+
+
+def test_an_absent_medusa_fc_bias_means_no_bias_as_in_vllm(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["MedusaModel"], "hidden_size": 8, "vocab_size": 10, "num_heads": 2}))
+    assert MedusaHeadsConfig.load(tmp_path).medusa_fc_bias is False
 
 
 def test_truncated_vocab_defaults_to_the_whole_vocabulary():

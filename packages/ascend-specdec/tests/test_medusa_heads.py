@@ -21,7 +21,7 @@ def reference_logits(heads, hidden):
     return torch.stack(out, dim=1)
 
 
-@pytest.mark.parametrize("fields", [{}, {"num_hidden_layers": 2}, {"medusa_fc_bias": False},
+@pytest.mark.parametrize("fields", [{}, {"num_hidden_layers": 2}, {"medusa_fc_bias": True},
                                     {"original_lm_head": True}])
 def test_logits_follow_the_residual_block_definition(fields):
     heads = random_heads(**fields)

@@ -20,6 +20,8 @@ Backends (all have the reference and Triton):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ascend_kernels.dispatch import (
@@ -202,22 +204,44 @@ def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 # --- scaled_int8_mm -------------------------------------------------------------------------
 
 
+@functools.cache
+def _cpu_int_mm_is_exact() -> bool:
+    """Whether ``torch._int_mm`` sums exactly on this CPU.
+
+    oneDNN's int8 GEMM on x86 CPUs without VNNI (AVX2-only, or AVX-512 without VNNI)
+    multiplies with ``vpmaddubsw``, which adds pairs of u8 x s8 products in saturating
+    int16: results are wrong by up to tens of thousands. Probed once per process with
+    values that saturate such a kernel, in a decode-like and a prefill-like shape.
+    """
+    int_mm = getattr(torch, "_int_mm", None)
+    if int_mm is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    for m in (1, 32):
+        a = torch.randint(-128, 128, (m, 256), dtype=torch.int8, generator=g)
+        b = torch.randint(-128, 128, (256, 32), dtype=torch.int8, generator=g)
+        a[:, :2], b[:2, :] = 127, 127  # 255 * 127 * 2 after oneDNN's +128 shift of a
+        try:
+            if not torch.equal(int_mm(a, b), a.to(torch.int32) @ b.to(torch.int32)):
+                return False
+        except RuntimeError:
+            return False
+    return True
+
+
 def _int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Exact ``a @ b`` of int8 matrices, rounded once to float32.
 
     On the CPU ``torch._int_mm`` (int8 x int8 -> int32, oneDNN) is 4-6x faster than an
-    int32 matmul, which torch runs without BLAS; it is used where it takes the inputs and
-    the int32 matmul is the fallback. Other devices use float64, which holds every int32
-    sum exactly.
+    int32 matmul, which torch runs without BLAS; it is used where it is exact on this CPU
+    (:func:`_cpu_int_mm_is_exact`) and takes the inputs. Otherwise, and on other devices,
+    a float64 matmul, which holds every int32 sum exactly.
     """
-    if a.device.type == "cpu":
-        int_mm = getattr(torch, "_int_mm", None)
-        if int_mm is not None:
-            try:
-                return int_mm(a, b).float()
-            except RuntimeError:  # a torch build or layout _int_mm does not take
-                pass
-        return (a.to(torch.int32) @ b.to(torch.int32)).float()
+    if a.device.type == "cpu" and _cpu_int_mm_is_exact():
+        try:
+            return torch._int_mm(a, b).float()
+        except RuntimeError:  # a layout _int_mm does not take
+            pass
     return (a.double() @ b.double()).float()
 
 

@@ -20,6 +20,7 @@ from ascend_specdec.medusa.heads import MedusaHeads
 
 WEIGHTS_FILE = "model.safetensors"
 _FASTER_DECODING_NAME = re.compile(r"^(\d+)\.(\d+)\.(.+)$")
+_BLOCK_BIAS = re.compile(r"^blocks\.\d+\.layers\.\d+\.bias$")
 
 
 def save_heads(heads: MedusaHeads, directory: str | Path, dtype: torch.dtype | None = None,
@@ -81,13 +82,23 @@ def load_state(heads: MedusaHeads, weights: Iterable[tuple[str, torch.Tensor]],
     params = dict(heads.named_parameters())
     by_name: dict[str, torch.Tensor] = {}
     token_map = None
+    stray_biases: list[str] = []
     for raw_name, tensor in weights:
         name = canonical_name(raw_name, config)
         if name == "token_map":
             token_map = tensor
         elif name in params:
             by_name[name] = tensor
+        elif _BLOCK_BIAS.match(name) and not config.medusa_fc_bias:
+            stray_biases.append(name)
         # Anything else (heads beyond num_heads, other LM heads when one is shared) is unused.
+    if stray_biases:
+        raise MedusaConfigError(
+            f"Medusa heads ({where}): the weights hold residual-block biases "
+            f"{sorted(stray_biases)[:3]}{' ...' if len(stray_biases) > 3 else ''} but "
+            "config.json says the blocks have none (medusa_fc_bias is false or absent, which "
+            "vLLM reads as false and would drop them): set \"medusa_fc_bias\": true in "
+            "config.json to serve them, or delete them from the weights")
 
     if config.is_truncated:
         if token_map is None:
@@ -100,6 +111,12 @@ def load_state(heads: MedusaHeads, weights: Iterable[tuple[str, torch.Tensor]],
         heads.token_map = token_map.to(device=heads.token_map.device, dtype=torch.long)
 
     missing = sorted(set(params) - set(by_name))
+    if missing and all(_BLOCK_BIAS.match(name) for name in missing):
+        raise MedusaConfigError(
+            f"Medusa heads ({where}): config.json says the residual blocks carry a bias "
+            f"(medusa_fc_bias: true) but the weights have none for {missing[:3]}"
+            f"{' ...' if len(missing) > 3 else ''}: set \"medusa_fc_bias\": false (or remove "
+            "the key) in config.json")
     if missing:
         raise MedusaConfigError(f"Medusa heads ({where}): no weights for {missing}; the "
                                 f"checkpoint holds {sorted(by_name) or 'none of them'}")

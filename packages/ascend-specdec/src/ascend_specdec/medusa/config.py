@@ -4,7 +4,7 @@ Field names are vLLM's (and the FasterDecoding reference's): ``num_heads`` draft
 stack of ``num_hidden_layers`` residual blocks, then an LM head over ``truncated_vocab_size``
 tokens of the base model's ``vocab_size`` (a ``token_map`` tensor in the weights lists them).
 ``original_lm_head`` means one LM head shared by every head; ``medusa_fc_bias`` that the
-residual blocks' linear layers carry a bias (vLLM's default is no bias).
+residual blocks' linear layers carry a bias (absent: no bias, as vLLM reads it).
 
 The raw file is the truth: vLLM rewrites ``num_heads`` to ``num_speculative_tokens`` and
 ``vocab_size`` to the base model's when it builds its own config, which would hide exactly the
@@ -35,7 +35,7 @@ class MedusaHeadsConfig:
     num_hidden_layers: int = 1
     truncated_vocab_size: int | None = None
     original_lm_head: bool = False
-    medusa_fc_bias: bool = True
+    medusa_fc_bias: bool = False  # vLLM's default
     logit_scale: float = 1.0
     # Anything else the file carries (training provenance, FasterDecoding fields), kept verbatim.
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
