@@ -127,8 +127,9 @@ def test_dense_llama_runs_through_the_npu_worker_and_runner(llama_npu):
 
 def test_dense_llama_greedy_tokens_equal_the_host_target(llama_npu, llama_host):
     assert len({tuple(ids) for ids in llama_host["token_ids"]}) == len(PROMPTS)
-    assert llama_npu["prompt_token_ids"] == llama_host["prompt_token_ids"]
-    assert llama_npu["token_ids"] == llama_host["token_ids"]
+    # Exact on AVX-512 machines; on AVX2-only ones vLLM's CPU kernels round bfloat16
+    # another way and a near-tie of these random weights may flip (issue 18).
+    assert_equal_up_to_near_ties(llama_npu, llama_host, "dense Llama npu vs host")
 
 
 # --- speculative decoding ---------------------------------------------------------------------
