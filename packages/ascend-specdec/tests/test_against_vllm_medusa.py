@@ -123,6 +123,13 @@ def vllms_medusa(folder):
     return model
 
 
+def top1_drafts(model, hidden: torch.Tensor) -> torch.Tensor:
+    """vLLM's Medusa: each head's top-1 token, [tokens, heads]."""
+    with torch.no_grad():
+        logits = model.compute_logits(model(hidden))
+    return torch.stack([head_logits.argmax(-1) for head_logits in logits], dim=1)
+
+
 @pytest.mark.parametrize("fields", [{}, {"num_hidden_layers": 2}, {"medusa_fc_bias": True},
                                     {"original_lm_head": True},
                                     {"original_lm_head": True, "truncated_vocab_size": 12}])
@@ -131,10 +138,7 @@ def test_drafts_equal_vllms_medusa_on_the_same_checkpoint(vllm_context, tmp_path
     save_heads(heads, tmp_path)
     theirs = vllms_medusa(tmp_path)
     hidden = torch.randn(64, 16)
-    with torch.no_grad():
-        logits = theirs.compute_logits(theirs(hidden))
-    vllm_drafts = torch.stack([head_logits.argmax(-1) for head_logits in logits], dim=1)
-    assert torch.equal(heads.propose(hidden), vllm_drafts)
+    assert torch.equal(heads.propose(hidden), top1_drafts(theirs, hidden))
 
 
 def test_a_config_without_medusa_fc_bias_reads_as_vllm_reads_it(vllm_context, tmp_path):
@@ -147,7 +151,4 @@ def test_a_config_without_medusa_fc_bias_reads_as_vllm_reads_it(vllm_context, tm
     ours, theirs = load_heads(tmp_path), vllms_medusa(tmp_path)
     assert not any(name.endswith(".bias") for name, _ in theirs.named_parameters())
     hidden = torch.randn(64, 16)
-    with torch.no_grad():
-        logits = theirs.compute_logits(theirs(hidden))
-    vllm_drafts = torch.stack([head_logits.argmax(-1) for head_logits in logits], dim=1)
-    assert torch.equal(ours.propose(hidden), vllm_drafts)
+    assert torch.equal(ours.propose(hidden), top1_drafts(theirs, hidden))
