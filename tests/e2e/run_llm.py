@@ -30,8 +30,15 @@ def probe_worker(worker) -> dict:
     worker = getattr(worker, "worker", worker)  # collective_rpc hands us the wrapper
     runner = worker.model_runner
     modules = list(runner.get_model().modules())
+    import os
+
+    import torch
+
     return {
         "worker": type(worker).__module__ + "." + type(worker).__name__,
+        # enable_cpu_binding: the cores this worker may run on, and torch's pool size.
+        "cpu_affinity": sorted(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
         "model_runner": type(runner).__module__ + "." + type(runner).__name__,
         "proposer_source": getattr(runner, "proposer_source", None),
         "drafter": type(runner.drafter).__name__ if hasattr(runner, "drafter") else None,

@@ -60,8 +60,8 @@ def test_tensor_parallel_2_equals_1(llama_dir, plugin_llama):
 
 
 @pytest.mark.parametrize("additional_config, message", [
-    ({"enable_mlapoo": True}, "enable_mlapo"),
-    ({"dump_config": {"path": "/tmp/x"}}, "dump_config_path"),
+    ({"enable_cpu_bindng": True}, "Did you mean 'enable_cpu_binding'?"),
+    ({"enable_mlapo": True}, "'enable_mlapo' was removed"),
     ({"enable_cpu_binding": "yes"}, "enable_cpu_binding"),
 ])
 def test_bad_additional_config_fails_at_start_up(llama_dir, additional_config, message):

@@ -221,10 +221,22 @@ def test_w8a8_checkpoint_on_npu_equals_the_host_target(w8a8_checkpoint):
 
 
 def test_tensor_parallel_2_over_hccl_equals_tp_1(medusa_demo, medusa_base_npu):
+    """With enable_cpu_binding: each worker on its own half of this process's cores."""
     env = {**NPU, "TORCH_NPU_REFERENCE_DEVICE_COUNT": "2"}
-    result = run(medusa_demo[0], env, tensor_parallel_size=2, distributed_executor_backend="mp")
+    result = run(medusa_demo[0], env, tensor_parallel_size=2, distributed_executor_backend="mp",
+                 additional_config={"enable_cpu_binding": True})
     assert_on_npu(result, workers=2)
     assert_equal_up_to_near_ties(result, medusa_base_npu, "TP 2 vs TP 1 on npu")
+    from ascend_core.worker.cpu_binding import cpu_share, numa_node_of_core
+
+    allowed = sorted(os.sched_getaffinity(0))
+    expected = [cpu_share(allowed, rank, 2, numa_node_of_core()) for rank in (0, 1)]
+    assert [w["cpu_affinity"] for w in result["workers"]] == expected
+    if len(allowed) >= 2:
+        assert not set(expected[0]) & set(expected[1])
+    assert [w["torch_threads"] for w in result["workers"]] == [len(c) for c in expected]
+    # Without the key vLLM's worker keeps the whole machine.
+    assert medusa_base_npu["workers"][0]["cpu_affinity"] == allowed
 
 
 # --- MoE (unquantized experts) ----------------------------------------------------------------

@@ -13,7 +13,6 @@ from ascend_core import config as config_module
 from ascend_core.config import (
     EPLB_KEY_MIGRATION,
     REMOVED_KEYS,
-    AscendCompilationConfig,
     AscendConfig,
     AscendConfigError,
     EplbConfig,
@@ -50,22 +49,9 @@ FULL = {
         "num_redundant_experts": 16,
         "policy": "swift",
         "heat_collection_phase": "decode",
-        "mix_placement": True,
-    },
-    "ascend_compilation_config": {
-        "enable_graph_fusion": True,
-        "enable_npugraph_ex": True,
-        "enable_static_kernel": True,
-        "fuse_norm_quant": False,
-        "fuse_qknorm_rope": True,
-        "fuse_allreduce_rms": True,
     },
     "rejection_sampler_config": {"backend": "triton"},
-    "dump_config_path": "/debug/msprobe.json",
-    "enable_mlapo": False,
-    "mlapo_keep_prefill_weights": True,
     "enable_cpu_binding": True,
-    "weight_nz_mode": 2,
     "refresh": True,
 }
 
@@ -85,29 +71,19 @@ def test_defaults():
     assert eplb.num_redundant_experts == 0
     assert eplb.policy == "default"
     assert eplb.heat_collection_phase == "all"
-    assert eplb.mix_placement is False
-    assert config.ascend_compilation_config.enable_graph_fusion is True
-    assert config.ascend_compilation_config.fuse_allreduce_rms is False
     assert config.rejection_sampler_config.backend == "auto"
-    assert config.dump_config_path is None
-    assert config.enable_mlapo is True
-    assert config.mlapo_keep_prefill_weights is False
     assert config.enable_cpu_binding is False
-    assert config.weight_nz_mode == 1
     assert config.refresh is False
 
 
 def test_full_config_parses_into_typed_sections():
     config = AscendConfig.from_dict(FULL)
     assert isinstance(config.eplb_config, EplbConfig)
-    assert isinstance(config.ascend_compilation_config, AscendCompilationConfig)
     assert isinstance(config.rejection_sampler_config, RejectionSamplerConfig)
     assert config.eplb_config.num_redundant_experts == 16
     assert config.eplb_config.heat_collection_phase == "decode"
-    assert config.ascend_compilation_config.fuse_norm_quant is False
     assert config.rejection_sampler_config.backend == "triton"
-    assert config.weight_nz_mode == 2
-    assert config.dump_config_path == "/debug/msprobe.json"
+    assert config.enable_cpu_binding is True
 
 
 def test_partial_section_keeps_other_defaults():
@@ -118,7 +94,7 @@ def test_partial_section_keeps_other_defaults():
 def test_config_is_frozen():
     config = AscendConfig.from_dict(FULL)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.enable_mlapo = True  # type: ignore[misc]
+        config.enable_cpu_binding = False  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.eplb_config.policy = "other"  # type: ignore[misc]
 
@@ -135,7 +111,6 @@ def test_to_dict_round_trips_and_is_json():
 def test_valid_keys_per_level():
     assert AscendConfig.valid_keys() == tuple(FULL)
     assert EplbConfig.valid_keys() == tuple(FULL["eplb_config"])
-    assert AscendCompilationConfig.valid_keys() == tuple(FULL["ascend_compilation_config"])
     assert RejectionSamplerConfig.valid_keys() == ("backend",)
 
 
@@ -145,11 +120,8 @@ def test_describe_lists_nested_keys_with_docs_and_npu_only_flags():
     assert keys["eplb_config.heat_collection_phase"].choices == ("all", "prefill", "decode")
     assert keys["eplb_config.expert_heat_collection_interval"].default == 400
     assert keys["eplb_config.expert_map_path"].type == "str | None"
-    assert keys["weight_nz_mode"].choices == (0, 1, 2)
-    # npu-only is inherited by every key of an npu-only section.
-    assert keys["ascend_compilation_config.fuse_allreduce_rms"].npu_only is True
-    assert keys["enable_mlapo"].npu_only is True
-    assert keys["dump_config_path"].npu_only is True
+    assert keys["rejection_sampler_config.backend"].choices == ("auto", "reference", "triton")
+    assert keys["enable_cpu_binding"].npu_only is True
     assert keys["eplb_config.dynamic_eplb"].npu_only is False
     assert keys["rejection_sampler_config.backend"].npu_only is False
     assert all(key.doc for key in keys.values())
@@ -163,10 +135,10 @@ def test_error_is_a_value_error():
 
 
 def test_unknown_top_level_key_lists_valid_keys_and_suggests():
-    error = parse_error({"enable_mlapoo": True})
+    error = parse_error({"enable_cpu_bindng": True})
     message = str(error)
-    assert "'enable_mlapoo'" in message
-    assert "Did you mean 'enable_mlapo'?" in message
+    assert "'enable_cpu_bindng'" in message
+    assert "Did you mean 'enable_cpu_binding'?" in message
     for key in AscendConfig.valid_keys():
         assert key in message
 
@@ -175,7 +147,7 @@ def test_unknown_top_level_key_lists_valid_keys_and_suggests():
     ("section", "typo", "meant"),
     [
         ("eplb_config", "num_redundant_expert", "num_redundant_experts"),
-        ("ascend_compilation_config", "fuse_norm_qaunt", "fuse_norm_quant"),
+        ("eplb_config", "dynamic_eplp", "dynamic_eplb"),
         ("rejection_sampler_config", "backnd", "backend"),
     ],
 )
@@ -200,12 +172,13 @@ def test_unknown_key_without_close_match_has_no_suggestion():
 @pytest.mark.parametrize(
     ("additional_config", "path", "shown", "expected"),
     [
-        ({"enable_mlapo": "yes"}, "enable_mlapo", '"yes" (str)', "boolean"),
+        ({"refresh": "yes"}, "refresh", '"yes" (str)', "boolean"),
         ({"enable_cpu_binding": "true"}, "enable_cpu_binding", '"true" (str)', "boolean"),
-        ({"enable_mlapo": 1}, "enable_mlapo", "1 (int)", "boolean"),
-        ({"weight_nz_mode": "2"}, "weight_nz_mode", '"2" (str)', "integer"),
-        ({"weight_nz_mode": True}, "weight_nz_mode", "true (bool)", "integer"),
-        ({"weight_nz_mode": 1.0}, "weight_nz_mode", "1.0 (float)", "integer"),
+        ({"enable_cpu_binding": 1}, "enable_cpu_binding", "1 (int)", "boolean"),
+        ({"eplb_config": {"num_redundant_experts": True}}, "eplb_config.num_redundant_experts",
+         "true (bool)", "integer"),
+        ({"eplb_config": {"num_redundant_experts": 1.0}}, "eplb_config.num_redundant_experts",
+         "1.0 (float)", "integer"),
         (
             {"eplb_config": {"num_redundant_experts": "3"}},
             "eplb_config.num_redundant_experts",
@@ -213,8 +186,9 @@ def test_unknown_key_without_close_match_has_no_suggestion():
             "integer",
         ),
         ({"eplb_config": {"policy": 2}}, "eplb_config.policy", "2 (int)", "string"),
-        ({"dump_config_path": 5}, "dump_config_path", "5 (int)", "string or null"),
-        ({"enable_mlapo": None}, "enable_mlapo", "null", "boolean"),
+        ({"eplb_config": {"expert_map_path": 5}}, "eplb_config.expert_map_path", "5 (int)",
+         "string or null"),
+        ({"enable_cpu_binding": None}, "enable_cpu_binding", "null", "boolean"),
     ],
 )
 def test_wrong_type_names_path_value_and_expected_type(additional_config, path, shown, expected):
@@ -225,11 +199,11 @@ def test_wrong_type_names_path_value_and_expected_type(additional_config, path, 
 
 
 def test_wrong_type_hints_how_to_write_it():
-    assert "without quotes: true" in str(parse_error({"enable_mlapo": "yes"}))
-    assert "without quotes: false" in str(parse_error({"enable_mlapo": "off"}))
-    assert "Write true, not 1" in str(parse_error({"enable_mlapo": 1}))
+    assert "without quotes: true" in str(parse_error({"enable_cpu_binding": "yes"}))
+    assert "without quotes: false" in str(parse_error({"enable_cpu_binding": "off"}))
+    assert "Write true, not 1" in str(parse_error({"enable_cpu_binding": 1}))
     assert "without quotes: 3" in str(parse_error({"eplb_config": {"num_redundant_experts": "3"}}))
-    assert "not an integer" in str(parse_error({"weight_nz_mode": False}))
+    assert "not an integer" in str(parse_error({"eplb_config": {"num_redundant_experts": False}}))
 
 
 def test_nullable_string_accepts_null():
@@ -244,7 +218,7 @@ def test_section_must_be_a_mapping():
 
 
 def test_additional_config_must_be_a_mapping():
-    message = str(parse_error(["enable_mlapo"]))
+    message = str(parse_error(["enable_cpu_binding"]))
     assert "mapping" in message and "(list)" in message
 
 
@@ -267,12 +241,6 @@ def test_rejection_sampler_backend_choices():
         assert config.rejection_sampler_config.backend == backend
 
 
-@pytest.mark.parametrize("mode", [-1, 3])
-def test_weight_nz_mode_only_0_1_2(mode):
-    message = str(parse_error({"weight_nz_mode": mode}))
-    assert "'weight_nz_mode'" in message and f"got {mode}" in message and "0, 1, 2" in message
-
-
 @pytest.mark.parametrize(
     ("key", "value", "minimum"),
     [
@@ -293,25 +261,11 @@ def test_expert_map_paths_must_be_json_files():
     assert ".json" in message and "/maps/out.txt" in message
 
 
-def test_static_kernel_needs_npugraph_ex():
-    message = str(
-        parse_error(
-            {
-                "ascend_compilation_config": {
-                    "enable_static_kernel": True,
-                    "enable_npugraph_ex": False,
-                }
-            }
-        )
-    )
-    assert "enable_static_kernel" in message and "enable_npugraph_ex" in message
-
-
 def test_all_problems_are_reported_together():
     error = parse_error(
         {
-            "enable_mlapo": "no",
-            "weight_nz_mode": 7,
+            "enable_cpu_binding": "no",
+            "refresh": 7,
             "eplb_config": {"policy": 1, "typo_key": 0},
             "chunked_prefill_for_mla": True,
         }
@@ -326,29 +280,34 @@ def test_all_problems_are_reported_together():
 # --- migrations from vllm-ascend's history -----------------------------------------------
 
 
-def test_dump_config_dict_is_renamed_to_dump_config_path_with_its_path():
-    message = str(parse_error({"dump_config": {"path": "/cfg/dump.json", "level": "L1"}}))
-    assert "renamed to 'dump_config_path'" in message
-    assert '"dump_config_path": "/cfg/dump.json"' in message
-    assert '"level": "L1"' in message  # the value that was given
+# Keys this plugin once accepted although nothing implemented them (issue 18).
+NEVER_IMPLEMENTED = {
+    "ascend_compilation_config": ({"fuse_norm_quant": False}, "--compilation-config"),
+    "enable_mlapo": (True, "unfused preprocess"),
+    "mlapo_keep_prefill_weights": (True, "not implemented"),
+    "weight_nz_mode": (2, "ND layout"),
+    "dump_config_path": ("/cfg/dump.json", "PrecisionDebugger"),
+    "dump_config": ({"path": "/cfg/dump.json"}, "PrecisionDebugger"),
+    "mix_placement": (True, "plan_mix_placement"),
+}
 
 
-def test_dump_config_string_is_renamed_with_same_path():
-    message = str(parse_error({"dump_config": "/cfg/dump.json"}))
-    assert '"dump_config_path": "/cfg/dump.json"' in message
-
-
-def test_dump_config_anything_else_still_points_to_dump_config_path():
-    message = str(parse_error({"dump_config": True}))
-    assert "renamed to 'dump_config_path'" in message and "true (bool)" in message
-
-
-def test_dump_config_and_dump_config_path_together_is_an_error():
-    error = parse_error({"dump_config": "/a.json", "dump_config_path": "/b.json"})
+@pytest.mark.parametrize("key", sorted(NEVER_IMPLEMENTED))
+def test_keys_that_changed_nothing_are_refused_with_a_migration_message(key):
+    value, instead = NEVER_IMPLEMENTED[key]
+    error = parse_error({key: value})
     assert len(error.problems) == 1
     message = str(error)
-    assert "both 'dump_config' and 'dump_config_path'" in message
-    assert '"dump_config_path": "/b.json"' in message
+    assert f"additional_config key '{key}' was removed: " in message
+    assert instead in message and message.endswith("Remove the key.")
+    assert "\n" not in message
+    assert key not in AscendConfig.valid_keys()
+
+
+def test_mix_placement_is_refused_inside_eplb_config_too():
+    message = str(parse_error({"eplb_config": {"mix_placement": True}}))
+    assert "'eplb_config.mix_placement' was removed" in message
+    assert "plan_mix_placement" in message and "mix_placement" not in EplbConfig.valid_keys()
 
 
 def test_chunked_prefill_for_mla_was_removed():
@@ -390,7 +349,6 @@ def test_eplb_key_migration_table():
         ("num_iterations_eplb_update", 400, {"expert_heat_collection_interval": 400}),
         ("num_wait_worker_iterations", 30, {"algorithm_execution_interval": 30}),
         ("eplb_policy_type", "swift", {"policy": "swift"}),
-        ("mix_placement", True, {"mix_placement": True}),
         ("heat_collection_phase", "prefill", {"heat_collection_phase": "prefill"}),
     ],
 )
@@ -449,10 +407,7 @@ def test_old_names_inside_eplb_config_point_to_new_names(old, new):
 
 def test_npu_only_keys_are_ignored_on_host_with_one_log_line(caplog):
     given = {
-        "enable_mlapo": False,
-        "weight_nz_mode": 2,
-        "ascend_compilation_config": {"fuse_norm_quant": False},
-        "dump_config_path": "/d.json",
+        "enable_cpu_binding": True,
         "eplb_config": {"dynamic_eplb": True},
     }
     with caplog.at_level(logging.INFO, logger="ascend_core.config"):
@@ -460,16 +415,11 @@ def test_npu_only_keys_are_ignored_on_host_with_one_log_line(caplog):
     records = [r for r in caplog.records if r.name == "ascend_core.config"]
     assert len(records) == 1
     line = records[0].getMessage()
-    for key in ("enable_mlapo", "weight_nz_mode", "ascend_compilation_config", "dump_config_path"):
-        assert key in line
+    assert "enable_cpu_binding" in line
     # Only keys that were given are listed; keys valid on host are not.
-    for key in ("mlapo_keep_prefill_weights", "enable_cpu_binding", "eplb_config"):
-        assert key not in line
+    assert "eplb_config" not in line
     # Ignored: npu-only keys keep their defaults; the rest applies.
-    assert config.enable_mlapo is True
-    assert config.weight_nz_mode == 1
-    assert config.ascend_compilation_config == AscendCompilationConfig()
-    assert config.dump_config_path is None
+    assert config.enable_cpu_binding is False
     assert config.eplb_config.dynamic_eplb is True
 
 
@@ -482,55 +432,18 @@ def test_host_without_npu_only_keys_logs_nothing(caplog):
 def test_npu_target_keeps_npu_only_keys_and_logs_nothing(caplog):
     with caplog.at_level(logging.DEBUG, logger="ascend_core.config"):
         config = AscendConfig.from_dict(FULL, target="npu")
-    assert config.enable_mlapo is False
+    assert config.enable_cpu_binding is True
     assert [r for r in caplog.records if r.name == "ascend_core.config"] == []
 
 
 def test_npu_only_keys_are_still_validated_on_host():
-    message = str(parse_error({"enable_mlapo": "yes", "weight_nz_mode": 5}, target="host"))
-    assert "enable_mlapo" in message and "weight_nz_mode" in message
+    message = str(parse_error({"enable_cpu_binding": "yes"}, target="host"))
+    assert "enable_cpu_binding" in message
 
 
 def test_unknown_target_is_rejected():
     with pytest.raises(ValueError, match="'auto'"):
         AscendConfig.from_dict({}, target="auto")
-
-
-# --- the older VLLM_ASCEND_* switches ----------------------------------------------------
-
-
-def test_env_switch_applies_when_additional_config_is_silent(monkeypatch):
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_MLAPO", "0")
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "2")
-    config = AscendConfig.from_dict({})
-    assert config.enable_mlapo is False
-    assert config.weight_nz_mode == 2
-
-
-def test_additional_config_wins_over_env_switch(monkeypatch):
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_MLAPO", "0")
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "2")
-    config = AscendConfig.from_dict({"enable_mlapo": True, "weight_nz_mode": 0})
-    assert config.enable_mlapo is True
-    assert config.weight_nz_mode == 0
-
-
-def test_env_switch_is_not_used_on_host(monkeypatch):
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "2")
-    assert AscendConfig.from_dict({}, target="host").weight_nz_mode == 1
-
-
-# --- compilation helpers -----------------------------------------------------------------
-
-
-def test_fusion_enabled_respects_master_switch():
-    on = AscendCompilationConfig(fuse_allreduce_rms=True)
-    assert on.fusion_enabled("allreduce_rms") is True
-    assert on.fusion_enabled("fuse_norm_quant") is True
-    off = AscendCompilationConfig(enable_graph_fusion=False, fuse_allreduce_rms=True)
-    assert off.fusion_enabled("allreduce_rms") is False
-    with pytest.raises(AttributeError, match="Did you mean 'fuse_norm_quant'"):
-        on.fusion_enabled("norm_qaunt")
 
 
 # --- process-wide config -----------------------------------------------------------------
@@ -544,20 +457,20 @@ def test_init_stores_and_get_returns_it():
     stored = init_ascend_config({"eplb_config": {"dynamic_eplb": True}}, target="host")
     assert get_ascend_config() is stored
     assert get_ascend_config().eplb_config.dynamic_eplb is True
-    replaced = init_ascend_config({"weight_nz_mode": 0}, target="npu")
+    replaced = init_ascend_config({"enable_cpu_binding": True}, target="npu")
     assert get_ascend_config() is replaced
     assert replaced.eplb_config.dynamic_eplb is False
 
 
 def test_failed_init_keeps_previous_config():
-    stored = init_ascend_config({"weight_nz_mode": 2})
+    stored = init_ascend_config({"enable_cpu_binding": True})
     with pytest.raises(AscendConfigError):
-        init_ascend_config({"weight_nz_mode": 9})
+        init_ascend_config({"enable_cpu_binding": 9})
     assert get_ascend_config() is stored
 
 
 def test_reset_forgets_config():
-    init_ascend_config({"weight_nz_mode": 2})
+    init_ascend_config({"enable_cpu_binding": True})
     reset_ascend_config()
     assert config_module._current is None
-    assert get_ascend_config().weight_nz_mode == 1
+    assert get_ascend_config().enable_cpu_binding is False

@@ -26,22 +26,18 @@ def clean_environment(monkeypatch):
 
 def test_defaults_when_unset():
     assert envs.VLLM_ASCEND_TARGET == "auto"
-    assert envs.VLLM_ASCEND_ENABLE_MLAPO is True
-    assert envs.VLLM_ASCEND_ENABLE_NZ == 1
     assert envs.VLLM_ASCEND_ROPE_UB_SIZE_KB == 0
-    assert envs.VLLM_ASCEND_ENABLE_PREFETCH_MLP is False
-    assert envs.VLLM_ASCEND_ENABLE_FLASHCOMM1 is False
-    assert envs.VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE is False
+    assert envs.VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS == 64
 
 
 def test_value_is_read_at_access_time_not_import_time(monkeypatch):
-    assert envs.VLLM_ASCEND_ENABLE_NZ == 1
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "2")
-    assert envs.VLLM_ASCEND_ENABLE_NZ == 2
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
-    assert envs.VLLM_ASCEND_ENABLE_NZ == 0
-    monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ")
-    assert envs.VLLM_ASCEND_ENABLE_NZ == 1
+    assert envs.VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS == 64
+    monkeypatch.setenv("VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS", "2")
+    assert envs.VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS == 2
+    monkeypatch.setenv("VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS", "0")
+    assert envs.VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS == 0
+    monkeypatch.delenv("VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS")
+    assert envs.VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS == 64
 
 
 def test_from_import_style_access(monkeypatch):
@@ -60,8 +56,8 @@ def test_get_by_name_and_explicit_environ(monkeypatch):
 
 
 def test_empty_value_counts_as_unset(monkeypatch):
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_MLAPO", "")
-    assert envs.VLLM_ASCEND_ENABLE_MLAPO is True
+    monkeypatch.setenv("VLLM_ASCEND_ROPE_UB_SIZE_KB", "")
+    assert envs.VLLM_ASCEND_ROPE_UB_SIZE_KB == 0
     monkeypatch.setenv("VLLM_ASCEND_TARGET", "  ")
     assert envs.VLLM_ASCEND_TARGET == "auto"
 
@@ -108,28 +104,27 @@ def test_target_typo_gets_a_suggestion(monkeypatch):
         _ = envs.VLLM_ASCEND_TARGET
 
 
-# --- bools -------------------------------------------------------------------------------
+# --- bools (no registered switch is a bool now; the parser stays for the next one) ----------
+
+SWITCH = envs.EnvVar("VLLM_ASCEND_SOME_SWITCH", "bool", True, "a switch")
 
 
 @pytest.mark.parametrize("raw", ["1", "true", "TRUE", "Yes", "on", " On "])
-def test_bool_true_spellings(monkeypatch, raw):
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_PREFETCH_MLP", raw)
-    assert envs.VLLM_ASCEND_ENABLE_PREFETCH_MLP is True
+def test_bool_true_spellings(raw):
+    assert SWITCH.read({SWITCH.name: raw}) is True
 
 
 @pytest.mark.parametrize("raw", ["0", "false", "False", "NO", "off"])
-def test_bool_false_spellings(monkeypatch, raw):
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_MLAPO", raw)
-    assert envs.VLLM_ASCEND_ENABLE_MLAPO is False
+def test_bool_false_spellings(raw):
+    assert SWITCH.read({SWITCH.name: raw}) is False
 
 
 @pytest.mark.parametrize("raw", ["2", "enabled", "y", "tru", "-1"])
-def test_bool_rejects_anything_else(monkeypatch, raw):
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_MLAPO", raw)
+def test_bool_rejects_anything_else(raw):
     with pytest.raises(ValueError) as info:
-        _ = envs.VLLM_ASCEND_ENABLE_MLAPO
+        SWITCH.read({SWITCH.name: raw})
     message = str(info.value)
-    assert "VLLM_ASCEND_ENABLE_MLAPO" in message
+    assert SWITCH.name in message
     assert repr(raw) in message
     assert "true/false" in message and "on/off" in message
 
@@ -138,11 +133,11 @@ def test_bool_rejects_anything_else(monkeypatch, raw):
 
 
 @pytest.mark.parametrize("raw", ["3", "-1"])
-def test_nz_mode_only_allows_0_1_2(monkeypatch, raw):
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", raw)
+def test_int_choices_are_enforced(raw):
+    mode = envs.EnvVar("VLLM_ASCEND_SOME_MODE", "int", 1, "a mode", choices=(0, 1, 2))
     with pytest.raises(ValueError) as info:
-        _ = envs.VLLM_ASCEND_ENABLE_NZ
-    assert f"VLLM_ASCEND_ENABLE_NZ={raw!r}" in str(info.value)
+        mode.read({mode.name: raw})
+    assert f"VLLM_ASCEND_SOME_MODE={raw!r}" in str(info.value)
     assert "0 | 1 | 2" in str(info.value)
 
 
@@ -172,10 +167,10 @@ def test_rope_ub_size_positive_override(monkeypatch):
 
 def test_unknown_attribute_suggests_closest_registered_name():
     with pytest.raises(AttributeError) as info:
-        _ = envs.VLLM_ASCEND_ENABLE_MLAP0
+        _ = envs.VLLM_ASCEND_TARGE
     message = str(info.value)
-    assert "VLLM_ASCEND_ENABLE_MLAP0" in message
-    assert "Did you mean 'VLLM_ASCEND_ENABLE_MLAPO'?" in message
+    assert "VLLM_ASCEND_TARGE" in message
+    assert "Did you mean 'VLLM_ASCEND_TARGET'?" in message
 
 
 def test_get_unknown_name_suggests_closest():
@@ -190,7 +185,7 @@ def test_unrelated_missing_attribute_is_a_plain_attribute_error():
 
 
 def test_removed_variable_attribute_says_what_replaces_it():
-    with pytest.raises(AttributeError, match="VLLM_ASCEND_ENABLE_PREFETCH_MLP"):
+    with pytest.raises(AttributeError, match="VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE.*always on"):
         _ = envs.VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE
 
 
@@ -202,7 +197,7 @@ def test_dir_lists_registered_variables():
 
 def test_unknown_variables_lists_set_unregistered_names(monkeypatch):
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_MLAP0", "1")
-    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "1")  # registered
+    monkeypatch.setenv("VLLM_ASCEND_TARGET", "host")  # registered
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE", "1")  # removed: warned elsewhere
     monkeypatch.setenv("VLLM_USE_V1", "1")  # not ours
     assert envs.unknown_variables() == ["VLLM_ASCEND_ENABLE_MLAP0"]
@@ -226,7 +221,7 @@ def test_warn_removed_warns_once_per_set_variable_with_replacement(monkeypatch, 
     assert "--profiler-config" in profiler
     assert '"torch_profiler_dir": "/tmp/traces"' in profiler
     dense = next(m for m in messages if m.startswith("VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE"))
-    assert "VLLM_ASCEND_ENABLE_PREFETCH_MLP" in dense
+    assert "always on" in dense
 
 
 def test_warn_removed_is_idempotent(monkeypatch, caplog):
@@ -252,7 +247,7 @@ def test_warn_removed_new_variable_later_still_warns(caplog):
 
 def test_warn_removed_silent_when_nothing_removed_is_set(caplog):
     with caplog.at_level(logging.WARNING, logger="ascend_core.envs"):
-        assert envs.warn_removed({"VLLM_ASCEND_ENABLE_NZ": "1"}) == []
+        assert envs.warn_removed({"VLLM_ASCEND_TARGET": "host"}) == []
     assert caplog.records == []
 
 
@@ -264,12 +259,27 @@ def test_describe_lists_typed_documented_specs():
     assert set(specs) == set(envs.VARIABLES)
     assert specs["VLLM_ASCEND_TARGET"].type == "str"
     assert specs["VLLM_ASCEND_TARGET"].choices == ("auto", "npu", "host")
-    assert specs["VLLM_ASCEND_ENABLE_MLAPO"].type == "bool"
-    assert specs["VLLM_ASCEND_ENABLE_MLAPO"].default is True
-    assert specs["VLLM_ASCEND_ENABLE_NZ"].default == 1
-    assert "FRACTAL_NZ" in specs["VLLM_ASCEND_ENABLE_NZ"].doc
+    assert specs["VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS"].type == "int"
+    assert specs["VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS"].default == 64
     assert "192" in specs["VLLM_ASCEND_ROPE_UB_SIZE_KB"].doc
     for spec in specs.values():
         assert spec.doc.strip(), spec.name
         # Each default is what an unset variable reads as.
         assert spec.read({}) == spec.default
+
+
+NEVER_IMPLEMENTED = ["VLLM_ASCEND_ENABLE_MLAPO", "VLLM_ASCEND_ENABLE_NZ",
+                     "VLLM_ASCEND_ENABLE_PREFETCH_MLP", "VLLM_ASCEND_ENABLE_FLASHCOMM1",
+                     "VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE"]
+
+
+@pytest.mark.parametrize("name", NEVER_IMPLEMENTED)
+def test_switches_that_changed_nothing_are_removed_and_warned_about(name, caplog):
+    """Registered once though nothing read them (issue 18): set, they are warned about."""
+    assert name not in envs.VARIABLES
+    with caplog.at_level(logging.WARNING, logger="ascend_core.envs"):
+        (message,) = envs.warn_removed({name: "1"})
+    assert message.startswith(f"{name} is set but no longer has any effect: ")
+    assert "not implemented here" in message and message.endswith(f"Unset {name}.")
+    with pytest.raises(AttributeError, match="not implemented here"):
+        getattr(envs, name)

@@ -404,6 +404,19 @@ def test_registered_and_installed_in_a_runner():
     assert isinstance(runner.rejection_sampler, AscendRejectionSampler)
 
 
+def test_factory_takes_the_configured_backend():
+    from ascend_core.config import init_ascend_config, reset_ascend_config
+
+    spec = SimpleNamespace(rejection_sample_method="standard")
+    try:
+        init_ascend_config({"rejection_sampler_config": {"backend": "reference"}}, target="host")
+        assert rejection_sampler_factory(Sampler(), spec, "cpu").backend == "reference"
+        init_ascend_config({}, target="host")
+        assert rejection_sampler_factory(Sampler(), spec, "cpu").backend is None
+    finally:
+        reset_ascend_config()
+
+
 def test_synthetic_acceptance_stays_with_vllm():
     synthetic = SimpleNamespace(rejection_sample_method="synthetic")
     assert rejection_sampler_factory(Sampler(), synthetic, "cpu") is None

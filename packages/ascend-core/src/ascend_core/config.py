@@ -31,7 +31,6 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType, UnionType
 from typing import Any, ClassVar
 
-from ascend_core import envs
 from ascend_core.suggest import did_you_mean
 
 logger = logging.getLogger("ascend_core.config")
@@ -59,20 +58,14 @@ def _meta(
     minimum: int | None = None,
     suffix: str | None = None,
     npu_only: bool = False,
-    env: str | None = None,
 ) -> dict[str, Any]:
-    """The metadata of one ``additional_config`` key, which drives validation and docs.
-
-    ``env`` names a ``VLLM_ASCEND_*`` variable read when the key is not given (the older
-    way to set the same switch).
-    """
+    """The metadata of one ``additional_config`` key, which drives validation and docs."""
     return {
         "doc": doc or "",
         "choices": choices,
         "minimum": minimum,
         "suffix": suffix,
         "npu_only": npu_only,
-        "env": env,
     }
 
 
@@ -98,6 +91,8 @@ class _Section:
 
     # Keys this section had under another name in vllm-ascend: old name -> current name.
     RENAMED: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    # Keys this section no longer has: key -> why, and what to do instead.
+    REMOVED: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @classmethod
     def valid_keys(cls) -> tuple[str, ...]:
@@ -128,6 +123,14 @@ class EplbConfig(_Section):
             "num_wait_worker_iterations": "algorithm_execution_interval",
             "eplb_policy_type": "policy",
             "eplb_heat_collection_stage": "heat_collection_phase",
+        }
+    )
+    REMOVED: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "mix_placement": (
+                "serving keeps shared experts on every rank, as vLLM does; mixed placements "
+                "are planned offline with ascend_eplb.mix_placement.plan_mix_placement"
+            ),
         }
     )
 
@@ -161,49 +164,6 @@ class EplbConfig(_Section):
         "Which steps count towards the expert load: all, prefill or decode steps.",
         choices=("all", "prefill", "decode"),
     )
-    mix_placement: bool = _key(
-        False,
-        "Place shared experts like routed ones, so they are spread and balanced across ranks.",
-    )
-
-
-@dataclass(frozen=True)
-class AscendCompilationConfig(_Section):
-    """``ascend_compilation_config``: graph compilation and fusion passes on the NPU."""
-
-    enable_graph_fusion: bool = _key(
-        True, "Run this plugin's fusion passes at all; false turns every fuse_* pass off."
-    )
-    enable_npugraph_ex: bool = _key(
-        True, "Optimise and compile the captured FX graph with the npugraph_ex backend."
-    )
-    enable_static_kernel: bool = _key(
-        False,
-        "Build static kernels, for purely static or rarely changing shapes; needs "
-        "enable_npugraph_ex.",
-    )
-    fuse_norm_quant: bool = _key(True, "Fuse RMSNorm with the activation quantization after it.")
-    fuse_qknorm_rope: bool = _key(True, "Fuse the Q/K RMSNorm with the rotary embedding.")
-    fuse_allreduce_rms: bool = _key(
-        False, "Fuse the tensor-parallel all-reduce with the following add + RMSNorm."
-    )
-
-    def fusion_enabled(self, name: str) -> bool:
-        """Whether the fusion pass ``fuse_<name>`` (or ``name``) runs, master switch included."""
-        key = name if name.startswith("fuse_") else f"fuse_{name}"
-        if key not in self.valid_keys():
-            raise AttributeError(f"no fusion pass {key!r}." + did_you_mean(key, self.valid_keys()))
-        return self.enable_graph_fusion and bool(getattr(self, key))
-
-    def _cross_problems(self, path: str) -> list[str]:
-        if self.enable_static_kernel and not self.enable_npugraph_ex:
-            problem = (
-                f"{path}.enable_static_kernel=true needs {path}.enable_npugraph_ex=true "
-                "(static kernels are built by the npugraph_ex backend): enable "
-                "enable_npugraph_ex or set enable_static_kernel to false."
-            )
-            return [problem]
-        return []
 
 
 @dataclass(frozen=True)
@@ -223,40 +183,15 @@ class AscendConfig(_Section):
     """All plugin options from ``additional_config``; every key is optional."""
 
     eplb_config: EplbConfig = field(default_factory=EplbConfig, metadata=_meta(EplbConfig.__doc__))
-    ascend_compilation_config: AscendCompilationConfig = field(
-        default_factory=AscendCompilationConfig,
-        metadata=_meta(AscendCompilationConfig.__doc__, npu_only=True),
-    )
     rejection_sampler_config: RejectionSamplerConfig = field(
         default_factory=RejectionSamplerConfig, metadata=_meta(RejectionSamplerConfig.__doc__)
     )
-    dump_config_path: str | None = _key(
-        None,
-        "Path of an msprobe dump config (JSON) for precision debugging; dumps while serving.",
-        npu_only=True,
-    )
-    enable_mlapo: bool = _key(
-        True,
-        "Use the fused MLA preprocess op (MLAPO) for DeepSeek W8A8-style models; faster, but "
-        "keeps extra weights on the NPU. Falls back to VLLM_ASCEND_ENABLE_MLAPO.",
-        npu_only=True,
-        env="VLLM_ASCEND_ENABLE_MLAPO",
-    )
-    mlapo_keep_prefill_weights: bool = _key(
-        False,
-        "Keep the unfused MLA weights for prefill next to the MLAPO ones (more memory).",
-        npu_only=True,
-    )
     enable_cpu_binding: bool = _key(
-        False, "Bind each worker's host threads to the CPU cores nearest its NPU.", npu_only=True
-    )
-    weight_nz_mode: int = _key(
-        1,
-        "Cast linear weights to the FRACTAL_NZ layout: 0 never, 1 quantized weights only, "
-        "2 wherever supported. Falls back to VLLM_ASCEND_ENABLE_NZ.",
-        choices=(0, 1, 2),
+        False,
+        "Bind each NPU worker process (and the threads it starts) to its own share of the "
+        "CPU cores it may use: one contiguous slice per local rank, within one NUMA node "
+        "where the ranks fit.",
         npu_only=True,
-        env="VLLM_ASCEND_ENABLE_NZ",
     )
     refresh: bool = _key(
         False,
@@ -288,9 +223,7 @@ class AscendConfig(_Section):
         values = _parse_fields(cls, current, "", problems, given)
         if problems:
             raise AscendConfigError(problems)
-        if target == "npu":
-            _fill_from_env(values)
-        else:
+        if target == "host":
             _drop_npu_only(values, given)
         return cls(**values)
 
@@ -316,6 +249,32 @@ REMOVED_KEYS: Mapping[str, str] = MappingProxyType(
             "with vLLM's scheduler options (--max-num-batched-tokens, --enable-chunked-prefill, "
             "--max-num-seqs)"
         ),
+        # Keys this plugin once accepted although nothing implemented them (issue 18).
+        "ascend_compilation_config": (
+            "this plugin runs no graph fusion passes of its own; vLLM's compilation passes run "
+            "as --compilation-config sets them"
+        ),
+        "enable_mlapo": (
+            "the fused MLA preprocess (MLAPO) is not implemented here; MLA models always run "
+            "the unfused preprocess"
+        ),
+        "mlapo_keep_prefill_weights": (
+            "the fused MLA preprocess (MLAPO) is not implemented here, so there are no extra "
+            "weights to keep"
+        ),
+        "weight_nz_mode": (
+            "casting weights to FRACTAL_NZ is not implemented here; linear weights stay in the "
+            "ND layout"
+        ),
+        "dump_config_path": (
+            "msprobe precision dumps are not built in; start msprobe's PrecisionDebugger "
+            "around the model in your own script instead"
+        ),
+        "mix_placement": EplbConfig.REMOVED["mix_placement"],
+        "dump_config": (
+            "msprobe precision dumps are not built in; start msprobe's PrecisionDebugger "
+            "around the model in your own script instead"
+        ),
     }
 )
 
@@ -329,12 +288,8 @@ EPLB_KEY_MIGRATION: Mapping[str, str | None] = MappingProxyType(
     }
 )
 
-# Where an old dict-valued "dump_config" may have held its path.
-_DUMP_PATH_ENTRIES = ("path", "dump_path", "config_path", "dump_config_path")
-
-
 def _is_legacy(key: Any) -> bool:
-    return key in REMOVED_KEYS or key in EPLB_KEY_MIGRATION or key == "dump_config"
+    return key in REMOVED_KEYS or key in EPLB_KEY_MIGRATION
 
 
 def _legacy_problems(data: Mapping[str, Any]) -> list[str]:
@@ -344,34 +299,10 @@ def _legacy_problems(data: Mapping[str, Any]) -> list[str]:
         for key in data
         if key in REMOVED_KEYS
     ]
-    if "dump_config" in data:
-        problems.append(_dump_config_problem(data))
     misplaced = [key for key in data if key in EPLB_KEY_MIGRATION]
     if misplaced:
         problems.append(_misplaced_eplb_problem(data, misplaced))
     return problems
-
-
-def _dump_config_problem(data: Mapping[str, Any]) -> str:
-    old = data["dump_config"]
-    if "dump_config_path" in data:
-        return (
-            "additional_config has both 'dump_config' and 'dump_config_path'; 'dump_config' "
-            "was renamed to 'dump_config_path' (a string path to the msprobe dump config "
-            f'JSON). Keep only "dump_config_path": {json.dumps(data["dump_config_path"])}.'
-        )
-    path = old if isinstance(old, str) else None
-    if isinstance(old, Mapping):
-        path = next(
-            (old[entry] for entry in _DUMP_PATH_ENTRIES if isinstance(old.get(entry), str)),
-            None,
-        )
-    corrected = json.dumps(path if path is not None else "/path/to/msprobe_config.json")
-    return (
-        "additional_config key 'dump_config' was renamed to 'dump_config_path' (a string path "
-        f"to the msprobe dump config JSON), got dump_config={_show(old)}. "
-        f'Write instead: "dump_config_path": {corrected}'
-    )
 
 
 def _misplaced_eplb_problem(data: Mapping[str, Any], misplaced: list[str]) -> str:
@@ -459,6 +390,8 @@ def _unknown_key_problem(cls: type[_Section], key: Any, value: Any, path: str) -
             f"additional_config key {where!r} is vllm-ascend's old name of '{new}'{note}. "
             f"Write instead: {json.dumps(new)}: {json.dumps(corrected, default=repr)}"
         )
+    if key in cls.REMOVED:
+        return f"additional_config key {where!r} was removed: {cls.REMOVED[key]}. Remove the key."
     if not isinstance(key, str):
         return f"additional_config keys must be strings, got {key!r} in {level}."
     return (
@@ -558,14 +491,6 @@ def _npu_only_fields() -> list[str]:
     return [f.name for f in fields(AscendConfig) if f.metadata["npu_only"]]
 
 
-def _fill_from_env(values: dict[str, Any]) -> None:
-    """Keys with an older VLLM_ASCEND_* switch take it when additional_config is silent."""
-    for f in fields(AscendConfig):
-        variable = f.metadata["env"]
-        if variable is not None and f.name not in values:
-            values[f.name] = envs.get(variable)
-
-
 def _drop_npu_only(values: dict[str, Any], given: list[str]) -> None:
     """On the host target npu-only keys keep their defaults; say once which were given."""
     npu_only = _npu_only_fields()
@@ -619,10 +544,7 @@ def init_ascend_config(
 
 
 def get_ascend_config() -> AscendConfig:
-    """The config set by ``init_ascend_config``; if it was not called, the npu defaults
-
-    (built now, so the VLLM_ASCEND_* fallbacks of enable_mlapo / weight_nz_mode apply).
-    """
+    """The config set by ``init_ascend_config``; if it was not called, the defaults."""
     if _current is not None:
         return _current
     return AscendConfig.from_dict(None)

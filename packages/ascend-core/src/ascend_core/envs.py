@@ -5,14 +5,11 @@ variable set after ``import ascend_core.envs`` (or by a test's monkeypatch) take
 
     from ascend_core import envs
     envs.VLLM_ASCEND_TARGET           # "auto", "npu" or "host"
-    envs.get("VLLM_ASCEND_ENABLE_NZ")  # same lookup by name
+    envs.get("VLLM_ASCEND_TARGET")     # same lookup by name
 
 An empty value counts as unset. A value that does not parse raises :class:`EnvVarError`
 naming the variable, the value and what is allowed. A misspelt ``VLLM_ASCEND_*`` attribute
 raises ``AttributeError`` with the closest registered name.
-
-Several switches have an ``additional_config`` counterpart (see ``ascend_core.config``);
-when both are given, ``additional_config`` wins.
 
 This module imports nothing outside the standard library and ascend_core.
 """
@@ -112,24 +109,6 @@ _REGISTRY: tuple[EnvVar, ...] = (
         choices=("auto", "npu", "host"),
     ),
     EnvVar(
-        "VLLM_ASCEND_ENABLE_MLAPO",
-        "bool",
-        True,
-        "Use the fused MLA preprocess op (MLAPO) for DeepSeek W8A8-style models. Faster, but "
-        "keeps extra weights on the NPU; turn it off when NPU memory matters more. "
-        "additional_config 'enable_mlapo' takes precedence. npu only.",
-    ),
-    EnvVar(
-        "VLLM_ASCEND_ENABLE_NZ",
-        "int",
-        1,
-        "Cast linear weights to the FRACTAL_NZ layout, which Ascend matmuls read fastest. "
-        "0: never; 1: only for quantized weights (the default, because NZ is slower for some "
-        "float models); 2: wherever the op supports it. additional_config 'weight_nz_mode' "
-        "takes precedence. npu only.",
-        choices=(0, 1, 2),
-    ),
-    EnvVar(
         "VLLM_ASCEND_ROPE_UB_SIZE_KB",
         "int",
         0,
@@ -137,28 +116,6 @@ _REGISTRY: tuple[EnvVar, ...] = (
         "kernels. 0: detect it from the device properties, falling back to 192 KB (safe on "
         "910B / A3); a positive value overrides detection (for debugging UB overflows).",
         minimum=0,
-    ),
-    EnvVar(
-        "VLLM_ASCEND_ENABLE_PREFETCH_MLP",
-        "bool",
-        False,
-        "Prefetch MLP weights into the L2 cache while the preceding vector ops run. Pays off "
-        "at low concurrency, where decode steps are bound by reading weights. npu only.",
-    ),
-    EnvVar(
-        "VLLM_ASCEND_ENABLE_FLASHCOMM1",
-        "bool",
-        False,
-        "FlashComm v1 under tensor parallelism: split each all-reduce into reduce-scatter + "
-        "all-gather so RMSNorm runs on a shard of the tokens. Pays off at high concurrency. "
-        "npu only.",
-    ),
-    EnvVar(
-        "VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE",
-        "bool",
-        False,
-        "Fuse the row-parallel matmul with its all-reduce (MatmulAllReduce) under tensor "
-        "parallelism. Supported on Atlas A2; helps most in eager mode. npu only.",
     ),
     EnvVar(
         "VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS",
@@ -182,8 +139,7 @@ REMOVED: Mapping[str, str] = MappingProxyType(
     {
         "VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE": (
             "it was removed (vllm-ascend #5272): the dense-model optimisations it guarded are "
-            "always on and need no switch; its MLP weight prefetch is "
-            "VLLM_ASCEND_ENABLE_PREFETCH_MLP=1. Unset VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE."
+            "always on and need no switch. Unset VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE."
         ),
         "VLLM_TORCH_PROFILER_DIR": (
             "it was replaced by vLLM's profiler config: pass "
@@ -194,6 +150,26 @@ REMOVED: Mapping[str, str] = MappingProxyType(
             "it was replaced by vLLM's profiler config: pass "
             '--profiler-config \'{{"profiler": "torch", "torch_profiler_with_memory": true}}\' '
             "(with your torch_profiler_dir) and unset VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY."
+        ),
+        # Switches this plugin once registered although nothing implemented them (issue 18).
+        "VLLM_ASCEND_ENABLE_MLAPO": (
+            "the fused MLA preprocess (MLAPO) is not implemented here; MLA models always run "
+            "the unfused preprocess. Unset VLLM_ASCEND_ENABLE_MLAPO."
+        ),
+        "VLLM_ASCEND_ENABLE_NZ": (
+            "casting weights to FRACTAL_NZ is not implemented here; linear weights stay in "
+            "the ND layout. Unset VLLM_ASCEND_ENABLE_NZ."
+        ),
+        "VLLM_ASCEND_ENABLE_PREFETCH_MLP": (
+            "MLP weight prefetch is not implemented here. Unset VLLM_ASCEND_ENABLE_PREFETCH_MLP."
+        ),
+        "VLLM_ASCEND_ENABLE_FLASHCOMM1": (
+            "FlashComm v1 is not implemented here; tensor-parallel layers all-reduce. "
+            "Unset VLLM_ASCEND_ENABLE_FLASHCOMM1."
+        ),
+        "VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE": (
+            "the fused matmul + all-reduce is not implemented here. "
+            "Unset VLLM_ASCEND_ENABLE_MATMUL_ALLREDUCE."
         ),
     }
 )

@@ -6,7 +6,8 @@ routed load divided by ``top_k`` (each token makes ``top_k`` routed choices). Wi
 the shared experts appended to the load matrix as experts ``num_routed ...
 num_routed + num_shared - 1``, any policy places them: being the hottest items they
 get the most replicas, spread over ranks, instead of a full copy on every rank.
-``eplb_config.mix_placement`` turns this on.
+A planning tool: serving still keeps the shared experts on every rank, as vLLM does
+(there is no ``eplb_config`` key for it).
 """
 
 from __future__ import annotations

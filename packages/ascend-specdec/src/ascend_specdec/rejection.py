@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ascend_kernels.dispatch import TRITON, triton_unusable_reason
 from ascend_kernels.rejection import (
     PLACEHOLDER_TOKEN_ID,
     generate_recovery_noise,
@@ -134,12 +135,33 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
                                    max_spec_len, is_greedy, out=out, backend=backend)
 
 
+def configured_backend(device) -> str | None:
+    """The backend that ``additional_config`` ``rejection_sampler_config.backend`` forces on
+    ``device``: None for "auto" (each op picks per device). A forced "triton" that cannot run
+    there fails now, at start-up, rather than at the first verified draft."""
+    from ascend_core.config import get_ascend_config
+
+    name = get_ascend_config().rejection_sampler_config.backend
+    if name == "auto":
+        return None
+    if name == TRITON:
+        why = triton_unusable_reason(torch.empty(0, device=device))
+        if why is not None:
+            raise ValueError(
+                f"additional_config key 'rejection_sampler_config.backend' is \"triton\", "
+                f"which cannot run on {device} here: {why}; set it to \"auto\" or "
+                "\"reference\".")
+    return name
+
+
 def rejection_sampler_factory(sampler, spec_config, device):
     """What ascend-core's model runners call (through ``REJECTION_SAMPLERS["ascend"]``) to
-    build the rejection sampler; None for what only vLLM's serves (synthetic acceptance
-    rates, a benchmarking mode with no verification to do). vLLM is imported here."""
+    build the rejection sampler, with the backend ``rejection_sampler_config`` sets; None
+    for what only vLLM's serves (synthetic acceptance rates, a benchmarking mode with no
+    verification to do). vLLM is imported here."""
     if getattr(spec_config, "rejection_sample_method", "standard") == "synthetic":
         return None
     from ascend_specdec.vllm.rejection_sampler import AscendRejectionSampler
 
-    return AscendRejectionSampler(sampler, spec_config, device)
+    return AscendRejectionSampler(sampler, spec_config, device,
+                                  backend=configured_backend(device))

@@ -40,8 +40,9 @@ from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
-from ascend_core.config import init_ascend_config
+from ascend_core.config import get_ascend_config, init_ascend_config
 from ascend_core.platform.npu import AscendPlatform
+from ascend_core.worker.cpu_binding import bind_worker
 from ascend_core.worker.npu_model_runner import NPUModelRunner, npu_device_names
 from ascend_core.worker.npu_sleep import SLEEP_TAGS, NPUSleepPool
 from ascend_core.worker.npu_trace_errors import explain_trace_failures
@@ -192,6 +193,8 @@ class NPUWorker(Worker):
                 "run with data_parallel_size=1."
             )
         check_npus_for_layout(self.parallel_config, self.local_rank)
+        if get_ascend_config().enable_cpu_binding:  # before HCCL starts its threads
+            bind_worker(self.local_rank, self.parallel_config.local_world_size)
         visible_index = AscendPlatform.logical_device_id_to_visible_device_id(self.local_rank)
         self.device = torch.device(AscendPlatform.device_type, visible_index)
         AscendPlatform.set_device(self.device)

@@ -341,12 +341,6 @@ class ModelEplb:
                 slots = ExpertSlots(settings.num_slots, num_ranks,
                                     functools.partial(self._to_slots, layer.eplb_index))
                 layer.quant_method.serve_expert_slots(layer, slots)
-        if self.eplb_config.mix_placement:
-            logger.warning(
-                "eplb_config.mix_placement: the %s target serves shared experts as vLLM "
-                "does (on every rank); mix placement is available to planners through "
-                "ascend_eplb.mix_placement", self.target
-            )
         logger.info(
             "EPLB on the %s target: %d MoE layers, %d experts + %d redundant on %d rank(s), "
             "policy %s, dynamic %s (replan every %d steps, applied %d steps later), "
