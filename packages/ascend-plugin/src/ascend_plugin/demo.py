@@ -19,6 +19,14 @@ length the server measured.
 With ``--pd`` it starts a prefill and a decode instance (MooncakeConnectorV1 over TCP on
 127.0.0.1, each pinned to its own CPU when there are two) and the proxy, sends the same
 requests to the proxy and prints how many prompts' KV blocks the decode instance pulled.
+
+The server: vLLM's OpenAI server on 127.0.0.1, on ``--port`` (default: a free port, printed
+when the server is ready), with ``--max-model-len 1024`` and a 1 GiB KV cache
+(``VLLM_CPU_KVCACHE_SPACE=1``; set the variable to change it). Its output goes to ``--log``
+(default: ``demo-server.log`` under ``$XDG_CACHE_HOME/ascend-plugin``, else
+``~/.cache/ascend-plugin``; the --pd demo writes its three logs beside it). vLLM's own flags
+go after ``--`` (``-- --served-model-name NAME --dtype bfloat16``); the demo's requests use
+the served name.
 """
 
 from __future__ import annotations
@@ -38,6 +46,23 @@ CHAT = ["Return the sum of the squares of a list of numbers",
 MEDUSA_HEADS = 3  # the committed heads (models/pycoder-26m-medusa) serve k = 3
 
 
+def default_log_path() -> str:
+    """demo-server.log in the plugin's cache folder (never the working directory)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "ascend-plugin", "demo-server.log")
+
+
+def served_name(model: str, server_args: list[str]) -> str:
+    """The model name the server answers to: vLLM's --served-model-name (its first name)
+    when given after --, else the model path."""
+    for i, arg in enumerate(server_args):
+        if arg.startswith("--served-model-name="):
+            return arg.split("=", 1)[1]
+        if arg == "--served-model-name" and i + 1 < len(server_args):
+            return server_args[i + 1]
+    return model
+
+
 def medusa_server_args(heads: str) -> list[str]:
     config = {"method": "medusa", "model": heads, "num_speculative_tokens": MEDUSA_HEADS}
     return ["--speculative-config", json.dumps(config)]
@@ -47,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint folder or name (default: the demo model)")
-    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--port", type=int, default=None,
+                        help="the server's port (default: a free one, printed when ready)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--medusa", action="store_true",
                         help="serve the demo model with its Medusa heads (k=3)")
@@ -56,8 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "behind ascend_plugin.pd_proxy (needs ascend-plugin[pd-host])")
     parser.add_argument("--serve", action="store_true",
                         help="keep the server running after the demo requests (Ctrl-C stops)")
-    parser.add_argument("--log", default="vllm-demo-server.log",
-                        help="where the server's output goes (default: %(default)s)")
+    parser.add_argument("--log", default=None,
+                        help="where the server's output goes (default: demo-server.log in "
+                             "$XDG_CACHE_HOME/ascend-plugin or ~/.cache/ascend-plugin)")
     parser.add_argument("server_args", nargs=argparse.REMAINDER,
                         help="after --, arguments passed to vLLM's server as they are")
     return parser.parse_args(argv)
@@ -87,13 +114,16 @@ def main(argv=None) -> int:
             return 2
     print(f"[demo] starting vLLM's OpenAI server through the plugin (host target) on {model}",
           flush=True)
+    args.log = os.path.abspath(args.log or default_log_path())
+    os.makedirs(os.path.dirname(args.log), exist_ok=True)
     print(f"[demo] server log: {args.log}", flush=True)
+    name = served_name(model, extra)
     start = time.monotonic()
     if args.pd:
-        return run_pd_demo(args, model, extra, start)
+        return run_pd_demo(args, model, extra, start, name)
     with running_server(model, port=args.port, extra_args=extra, log_path=args.log) as url:
         print(f"[demo] server ready at {url} after {time.monotonic() - start:.0f} s", flush=True)
-        ask_everything(url, model, args.max_tokens)
+        ask_everything(url, name, args.max_tokens)
         if args.medusa:
             print_acceptance(url)
         serve_until_interrupted(url, args.serve)
@@ -123,17 +153,18 @@ def serve_until_interrupted(url: str, serve: bool) -> None:
         pass
 
 
-def run_pd_demo(args: argparse.Namespace, model: str, extra: list[str], start: float) -> int:
+def run_pd_demo(args: argparse.Namespace, model: str, extra: list[str], start: float,
+                name: str) -> int:
     from ascend_plugin.pd_serving import running_pd
 
     cpus = sorted(os.sched_getaffinity(0))
     pinned = (str(cpus[0]), str(cpus[1])) if len(cpus) >= 2 else None
-    log_dir = os.path.dirname(os.path.abspath(args.log))
+    log_dir = os.path.dirname(args.log)
     with running_pd(model, log_dir, extra_args=extra, cpus=pinned) as pd:
         print(f"[demo] prefill {pd.prefill}, decode {pd.decode}, proxy {pd.proxy} ready after "
               f"{time.monotonic() - start:.0f} s (logs: {pd.prefill_log}, {pd.decode_log}, "
               f"{pd.proxy_log})", flush=True)
-        ask_everything(pd.proxy, model, args.max_tokens)
+        ask_everything(pd.proxy, name, args.max_tokens)
         names = ("vllm:ascend_pd_pulls", "vllm:ascend_pd_failed_pulls")
         totals = counter_totals(pd.decode, names)
         print(f"[demo] PD: the decode instance pulled the KV blocks of "
