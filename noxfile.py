@@ -237,7 +237,7 @@ def install(session: nox.Session) -> None:
     session.run("pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
     # Run from outside the checkout so the sources cannot shadow the installed wheels.
     session.chdir(session.create_tmp())
-    session.run("python", str(ROOT / "tools" / "check_installed.py"))
+    session.run("python", str(ROOT / "tools" / "check_installed.py"), env=DEMO_MODEL_ENV)
 
 
 @nox.session(python="3.11")

@@ -63,7 +63,44 @@ def main() -> None:
         if not out or out[-1] != expected:
             fail(f"VLLM_ASCEND_TARGET={target}: current platform {out[-1:]} != {expected}")
         print(f"ok  VLLM_ASCEND_TARGET={target} -> {expected}")
+    serve_one_request()
     print("installed wheels: all checks passed")
+
+
+def serve_one_request() -> None:
+    """The README's own-environment command: the installed ``ascend-vllm serve`` on the host
+    target answers one completion (the demo model, eager to keep the check short)."""
+    import shutil
+    import tempfile
+
+    from ascend_plugin.demo_model import demo_model_dir
+    from ascend_plugin.serving import (
+        HOST_DEFAULTS,
+        complete,
+        free_port,
+        stop_server,
+        wait_until_healthy,
+    )
+
+    script = shutil.which("ascend-vllm", path=os.path.dirname(sys.executable))
+    if script is None:
+        fail(f"no ascend-vllm command beside {sys.executable}")
+    model, port = str(demo_model_dir()), free_port()
+    log_path = os.path.join(tempfile.mkdtemp(), "server.log")
+    command = [script, "serve", model, "--host", "127.0.0.1", "--port", str(port),
+               "--max-model-len", "512", "--gpu-memory-utilization", "0.2", "--enforce-eager"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, env={**HOST_DEFAULTS, **os.environ}, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            wait_until_healthy(f"http://127.0.0.1:{port}", proc, 600, log_path)
+            reply = complete(f"http://127.0.0.1:{port}", model, "def fibonacci(n):", 8)
+        finally:
+            stop_server(proc)
+    text = reply["choices"][0]["text"]
+    if not text:
+        fail(f"ascend-vllm serve answered an empty completion (log: {log_path})")
+    print(f"ok  ascend-vllm serve (host target) answered {text!r}")
 
 
 if __name__ == "__main__":

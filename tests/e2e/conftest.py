@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_runs import PROMPTS, run_vllm
+from vllm_runs import PROMPTS, RUN_LLM, run_script, run_vllm
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +20,9 @@ def llama_dir() -> str:
 
 @pytest.fixture(scope="session")
 def stock_llama(llama_dir) -> dict:
-    return run_vllm({"model": llama_dir, "prompts": PROMPTS})
+    """Stock vLLM with the plugin installed but no target active; "log": its whole output."""
+    result, log = run_script(RUN_LLM, {"model": llama_dir, "prompts": PROMPTS})
+    return {**result, "log": log}
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,11 @@ def test_stock_run_leaves_vllm_alone(stock_llama):
     (worker,) = stock_llama["workers"]
     assert worker["model_runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
     assert not any(name.startswith("Ascend") for name in worker["layer_classes"])
+    # Nothing of the plugin in stock vLLM's output: the only lines that say "ascend" name
+    # the tiny model's folder (under ~/.cache/ascend-plugin/models).
+    lines = [line for line in stock_llama["log"].splitlines() if "ascend" in line.lower()]
+    assert all("ascend-plugin/models/" in line for line in lines), lines
+    assert "does not have 'ascend_target'" not in stock_llama["log"]
 
 
 def test_host_target_runs_the_plugin_stack(plugin_llama):

@@ -107,10 +107,6 @@ class _Section:
             result[f.name] = value.to_dict() if isinstance(value, _Section) else value
         return result
 
-    def _cross_problems(self, path: str) -> list[str]:
-        """Problems that involve several keys of this section (none by default)."""
-        return []
-
 
 @dataclass(frozen=True)
 class EplbConfig(_Section):
@@ -233,6 +229,9 @@ class AscendConfig(_Section):
         return _describe_section(cls, "", inherited_npu_only=False)
 
 
+_NO_DUMPS = ("msprobe precision dumps are not built in; start msprobe's PrecisionDebugger "
+             "around the model in your own script instead")
+
 # Keys vllm-ascend had at the top level that this plugin removed: key -> what to do instead.
 REMOVED_KEYS: Mapping[str, str] = MappingProxyType(
     {
@@ -266,15 +265,9 @@ REMOVED_KEYS: Mapping[str, str] = MappingProxyType(
             "casting weights to FRACTAL_NZ is not implemented here; linear weights stay in the "
             "ND layout"
         ),
-        "dump_config_path": (
-            "msprobe precision dumps are not built in; start msprobe's PrecisionDebugger "
-            "around the model in your own script instead"
-        ),
+        "dump_config_path": _NO_DUMPS,
+        "dump_config": _NO_DUMPS,  # vllm-ascend's older name of dump_config_path
         "mix_placement": EplbConfig.REMOVED["mix_placement"],
-        "dump_config": (
-            "msprobe precision dumps are not built in; start msprobe's PrecisionDebugger "
-            "around the model in your own script instead"
-        ),
     }
 )
 
@@ -365,9 +358,7 @@ def _parse_fields(
             before = len(problems)
             section_values = _parse_fields(expected, value, where, problems, given)
             if len(problems) == before:
-                section = expected(**section_values)
-                problems.extend(section._cross_problems(where))
-                values[key] = section
+                values[key] = expected(**section_values)
             given.append(where)
             continue
         problem = _value_problem(spec.metadata, expected, nullable, value, where)

