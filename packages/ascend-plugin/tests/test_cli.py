@@ -32,3 +32,29 @@ def test_vllms_cli_runs_through_it():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1].startswith(version)
+
+
+@pytest.mark.parametrize(("env", "additional_config", "line"), [
+    ({"VLLM_ASCEND_TARGET": "host"}, '{"enable_cpu_bindng": true}',
+     "error: Unknown additional_config key 'enable_cpu_bindng'. Did you mean "
+     "'enable_cpu_binding'?"),
+    ({"VLLM_ASCEND_TARGET": "host"}, '{"weight_nz_mode": 2}',
+     "error: additional_config key 'weight_nz_mode' was removed: "),
+    ({"VLLM_ASCEND_TARGET": "gpu"}, None,
+     "error: VLLM_ASCEND_TARGET='gpu' is not allowed: expected one of auto | npu | host"),
+])
+def test_a_bad_plugin_setting_ends_serve_with_one_line_and_no_traceback(env, additional_config,
+                                                                         line):
+    import os
+
+    from ascend_plugin.demo_model import demo_model_dir
+
+    command = [sys.executable, "-m", "ascend_plugin.cli", "serve", str(demo_model_dir())]
+    if additional_config:
+        command += ["--additional-config", additional_config]
+    proc = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(line), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr

@@ -72,12 +72,45 @@ def answer_vllm_metadata_lookups() -> None:
     sys.meta_path.append(_VllmUnderItsOwnName(dist))
 
 
+def plugin_config_error(error: BaseException) -> BaseException | None:
+    """The plugin's own configuration error behind ``error``, if any: an ``AscendConfigError``
+    (a bad ``additional_config``), ``EnvVarError`` (a bad ``VLLM_ASCEND_*`` value) or
+    ``AscendTargetError`` (a target this machine cannot serve), raised directly, as a cause,
+    or inside the pydantic ``ValidationError`` vLLM wraps its config hooks' errors in."""
+    from ascend_core.config import AscendConfigError
+    from ascend_core.envs import EnvVarError
+    from ascend_plugin.entry_points import AscendTargetError
+
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, (AscendConfigError, EnvVarError, AscendTargetError)):
+            return current
+        pending += [current.__cause__, current.__context__]
+        errors = getattr(current, "errors", None)
+        if callable(errors) and type(current).__name__ == "ValidationError":
+            pending += [(entry.get("ctx") or {}).get("error") for entry in errors()]
+    return None
+
+
 def main() -> None:
     answer_vllm_metadata_lookups()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm"
-    vllm_main()
+    try:
+        vllm_main()
+    except Exception as error:
+        ours = plugin_config_error(error)
+        if ours is None:
+            raise
+        # The message names the key (or variable), the value and the fix: no traceback.
+        print(f"error: {ours}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -44,8 +44,11 @@ def active_target() -> str | None:
 def platform_plugin() -> str | None:
     try:
         target = active_target()
+    except (envs.EnvVarError, AscendTargetError) as err:
+        # Raised again by general_plugin; here vLLM would only log it at debug level.
+        logger.error("ascend platform plugin: cannot select a target: %s", err)
+        return None
     except Exception:
-        # Reported by general_plugin; here vLLM would only log it at debug level.
         logger.exception("ascend platform plugin: cannot select a target")
         return None
     if target is None:
