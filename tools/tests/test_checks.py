@@ -65,6 +65,33 @@ def test_consistent_pins_pass(tmp_path):
     assert check_pins.problems(tmp_path) == []
 
 
+def test_the_meta_package_must_pin_every_sibling(tmp_path):
+    write_package(tmp_path, "ascend-kernels", "0.2.3", [])
+    write_package(tmp_path, "ascend-core", "0.1.0", ["ascend-kernels>=0.2.0,<0.3"])
+    write_package(tmp_path, "ascend-plugin", "0.1.0", ["ascend-core==0.1.0"])
+    assert check_pins.problems(tmp_path) == [
+        "ascend-plugin: does not pin ascend-kernels; add ascend-kernels==0.2.3"]
+
+
+def test_the_noxfile_sibling_table_must_match_the_pyprojects(tmp_path):
+    write_package(tmp_path, "ascend-kernels", "0.2.3", [])
+    write_package(tmp_path, "ascend-core", "0.1.0", ["ascend-kernels>=0.2.0,<0.3"])
+    write_package(tmp_path, "ascend-plugin", "0.1.0",
+                  ["ascend-kernels==0.2.3", "ascend-core==0.1.0"])
+    (tmp_path / "noxfile.py").write_text(
+        'SIBLINGS = {"ascend-kernels": [], "ascend-core": []}\n')
+    assert check_pins.problems(tmp_path) == [
+        "noxfile.py: SIBLINGS['ascend-core'] is [], but its pyproject requires "
+        "['ascend-kernels'] (with what those require)"]
+    # A sibling's own requirements count: eplb requires core, which requires kernels.
+    write_package(tmp_path, "ascend-eplb", "0.1.0", ["ascend-core>=0.1.0,<0.2"])
+    (tmp_path / "noxfile.py").write_text(
+        'SIBLINGS = {"ascend-kernels": [], "ascend-core": ["ascend-kernels"],\n'
+        '            "ascend-eplb": ["ascend-kernels", "ascend-core"]}\n')
+    assert check_pins.problems(tmp_path) == [
+        "ascend-plugin: does not pin ascend-eplb; add ascend-eplb==0.1.0"]
+
+
 def test_the_repository_itself_passes():
     assert check_imports.violations() == []
     assert check_pins.problems() == []
