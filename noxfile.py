@@ -256,9 +256,10 @@ def lint(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The README's main job: serve the demo model through the plugin on the host target."""
     _share_vllm(session)
-    # [pd-host]: the Mooncake transfer engine, for --pd.
-    plugin = f"{PACKAGES / 'ascend-plugin'}[pd-host]" if "--pd" in session.posargs else None
-    _install_local_when_changed(session, *_local(*ALL[:-1]), plugin or _local(ALL[-1])[0])
+    plugin = str(PACKAGES / "ascend-plugin")
+    if "--pd" in session.posargs:  # the Mooncake transfer engine
+        plugin += "[pd-host]"
+    _install_local_when_changed(session, *_local(*SIBLINGS), plugin)
     session.run("python", "-m", "ascend_plugin.demo", *session.posargs, env=DEMO_MODEL_ENV)
 
 
