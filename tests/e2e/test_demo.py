@@ -13,7 +13,7 @@ import pytest
 
 def run_demo(*args: str, log) -> str:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_TARGET"}
-    proc = subprocess.run([sys.executable, "-m", "ascend_plugin.demo", *args, "--log", str(log)],
+    proc = subprocess.run([sys.executable, "-m", "ascend_plugin.demo", "--log", str(log), *args],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
