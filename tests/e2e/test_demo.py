@@ -19,9 +19,10 @@ def run_demo(*args: str, log) -> str:
     return proc.stdout
 
 
-# The plain demo runs as a user runs it (vLLM compiles the model); its --pd and --medusa
-# variants pass vLLM's --enforce-eager after "--": the compiled forward is the plain run's,
-# and compiling again costs these runs 25-60 s of a 2-core machine per server.
+# The plain and --pd demos run as a user runs them (vLLM compiles the model; --pd must give
+# the plain run's answers, and an eager bf16 forward rounds apart from the compiled one);
+# the --medusa run passes vLLM's --enforce-eager after "--": compiling the model with its
+# heads costs that run about 60 s of a 2-core machine.
 EAGER = ("--", "--enforce-eager")
 
 
@@ -51,7 +52,7 @@ def test_demo_serves_and_answers(plain_demo):
 
 
 def test_demo_with_pd_answers_what_the_plain_demo_answers(plain_demo, tmp_path):
-    out = run_demo("--pd", "--max-tokens", "8", *EAGER, log=tmp_path / "server.log")
+    out = run_demo("--pd", "--max-tokens", "8", log=tmp_path / "server.log")
     assert re.search(r"\[demo\] prefill http://127\.0\.0\.1:\d+, decode http://127\.0\.0\.1:\d+, "
                      r"proxy http://127\.0\.0\.1:\d+ ready", out), out[-2000:]
     assert answers_of(out) == answers_of(plain_demo[0])
