@@ -214,12 +214,34 @@ def e2e(session: nox.Session) -> None:
     # The leaf packages' tests that need vLLM, one process per package, from its tests folder
     # (its conftest) as rootdir; ascend-specdec's one per file (vLLM's Triton dispatcher scans
     # every loaded module and trips over numba's objects once vLLM's n-gram proposer is in).
+    commands = []
     for name in (n for n in SIBLINGS if n != "ascend-core"):  # core's: the core session
         tests = PACKAGES / name / "tests"
         paths = sorted({str(p) for pattern in NEEDS_VLLM for p in tests.glob(pattern)})
         for group in ([[p] for p in paths] if name == "ascend-specdec" else [paths]):
             if group:
-                session.run("pytest", *group, "-q", "--rootdir", str(tests))
+                commands.append(["pytest", *group, "-q", "--rootdir", str(tests)])
+    _run_two_at_a_time(session, commands)
+
+
+def _run_two_at_a_time(session: nox.Session, commands: list[list[str]]) -> None:
+    """Run the venv's ``commands`` two at a time (each is mostly one core's importing of vLLM),
+    print each one's output whole once it ends, and fail the session if any failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(command: list[str]) -> subprocess.CompletedProcess:
+        program = os.path.join(session.bin, command[0])
+        return subprocess.run([program, *command[1:]], capture_output=True, text=True)
+
+    failed = []
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for command, proc in zip(commands, pool.map(run, commands)):
+            session.log(" ".join(command))
+            print(proc.stdout + proc.stderr, flush=True)
+            if proc.returncode != 0:
+                failed.append(f"{' '.join(command)} (exit {proc.returncode})")
+    if failed:
+        session.error("failed: " + "; ".join(failed))
 
 
 @nox.session(python="3.11", reuse_venv=False)
