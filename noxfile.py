@@ -235,7 +235,7 @@ def _run_two_at_a_time(session: nox.Session, commands: list[list[str]]) -> None:
 
     failed = []
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for command, proc in zip(commands, pool.map(run, commands)):
+        for command, proc in zip(commands, pool.map(run, commands), strict=True):
             session.log(" ".join(command))
             print(proc.stdout + proc.stderr, flush=True)
             if proc.returncode != 0:
