@@ -52,7 +52,6 @@ FULL = {
     },
     "rejection_sampler_config": {"backend": "triton"},
     "enable_cpu_binding": True,
-    "refresh": True,
 }
 
 
@@ -73,7 +72,6 @@ def test_defaults():
     assert eplb.heat_collection_phase == "all"
     assert config.rejection_sampler_config.backend == "auto"
     assert config.enable_cpu_binding is False
-    assert config.refresh is False
 
 
 def test_full_config_parses_into_typed_sections():
@@ -172,7 +170,6 @@ def test_unknown_key_without_close_match_has_no_suggestion():
 @pytest.mark.parametrize(
     ("additional_config", "path", "shown", "expected"),
     [
-        ({"refresh": "yes"}, "refresh", '"yes" (str)', "boolean"),
         ({"enable_cpu_binding": "true"}, "enable_cpu_binding", '"true" (str)', "boolean"),
         ({"enable_cpu_binding": 1}, "enable_cpu_binding", "1 (int)", "boolean"),
         ({"eplb_config": {"num_redundant_experts": True}}, "eplb_config.num_redundant_experts",
@@ -265,8 +262,7 @@ def test_all_problems_are_reported_together():
     error = parse_error(
         {
             "enable_cpu_binding": "no",
-            "refresh": 7,
-            "eplb_config": {"policy": 1, "typo_key": 0},
+            "eplb_config": {"dynamic_eplb": 7, "policy": 1, "typo_key": 0},
             "chunked_prefill_for_mla": True,
         }
     )
@@ -289,6 +285,7 @@ NEVER_IMPLEMENTED = {
     "dump_config_path": ("/cfg/dump.json", "PrecisionDebugger"),
     "dump_config": ({"path": "/cfg/dump.json"}, "PrecisionDebugger"),
     "mix_placement": (True, "plan_mix_placement"),
+    "refresh": (True, "parses additional_config anew at every start"),
 }
 
 

@@ -51,8 +51,6 @@ BEHAVIOUR_TESTS = {
     "enable_cpu_binding": [
         "tests/e2e/test_npu_target.py::test_tensor_parallel_2_over_hccl_equals_tp_1",
     ],
-    # vllm-ascend's "re-read the config": here every init_ascend_config rebuilds it.
-    "refresh": ["packages/ascend-core/tests/test_config.py::test_init_stores_and_get_returns_it"],
 }
 
 

@@ -189,11 +189,6 @@ class AscendConfig(_Section):
         "where the ranks fit.",
         npu_only=True,
     )
-    refresh: bool = _key(
-        False,
-        "Accepted for vllm-ascend compatibility (it re-reads a cached config); "
-        "init_ascend_config always rebuilds the config, so it changes nothing here.",
-    )
 
     @classmethod
     def from_dict(
@@ -264,6 +259,10 @@ REMOVED_KEYS: Mapping[str, str] = MappingProxyType(
         "weight_nz_mode": (
             "casting weights to FRACTAL_NZ is not implemented here; linear weights stay in the "
             "ND layout"
+        ),
+        "refresh": (
+            "this plugin parses additional_config anew at every start, which is what refresh "
+            "asked vllm-ascend to do, so there is nothing to set"
         ),
         "dump_config_path": _NO_DUMPS,
         "dump_config": _NO_DUMPS,  # vllm-ascend's older name of dump_config_path
