@@ -25,6 +25,16 @@ def moe_comm_batches(modules) -> dict:
     return total
 
 
+def nz_weights(model) -> list[str]:
+    import sys
+
+    torch_npu = sys.modules.get("torch_npu")
+    if torch_npu is None:
+        return []
+    return sorted(name for name, p in model.named_parameters()
+                  if p.device.type == "npu" and torch_npu.get_npu_format(p) == 29)
+
+
 def probe_worker(worker) -> dict:
     """Runs inside each worker process: which classes did vLLM actually use?"""
     worker = getattr(worker, "worker", worker)  # collective_rpc hands us the wrapper
@@ -60,6 +70,8 @@ def probe_worker(worker) -> dict:
         "graph_capture_sizes": list(getattr(runner.compilation_config,
                                             "cudagraph_capture_sizes", None) or []),
         "kv_block_size": runner.cache_config.block_size,
+        # weight_nz_mode: the parameters whose storage torch_npu reports as FRACTAL_NZ.
+        "nz_weights": nz_weights(runner.get_model()),
         "layer_classes": sorted({type(m).__name__ for m in modules
                                  if type(m).__name__.startswith(("Ascend", "RMSNorm",
                                                                  "SiluAndMul"))}),

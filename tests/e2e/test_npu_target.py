@@ -215,6 +215,12 @@ def test_w8a8_checkpoint_on_npu_equals_the_host_target(w8a8_checkpoint):
     assert_on_npu(npu)
     assert len({tuple(ids) for ids in host["token_ids"]}) == len(PROMPTS)
     assert_equal_up_to_near_ties(npu, host, "W8A8 npu vs host")
+    # weight_nz_mode's default (1): the int8 weights npu_quant_matmul reads are FRACTAL_NZ,
+    # nothing else.
+    nz = npu["workers"][0]["nz_weights"]
+    assert nz and all(name.endswith("_proj.ascend_npu_qweight") for name in nz)
+    assert {name.rsplit(".", 2)[-2] for name in nz} == {"qkv_proj", "o_proj", "gate_up_proj",
+                                                        "down_proj"}
 
 
 # --- tensor parallel 2 ------------------------------------------------------------------------
@@ -277,7 +283,8 @@ GRAPHS = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "enforce
 
 @pytest.fixture(scope="module")
 def llama_npu_graphs(llama) -> dict:
-    return run(llama, NPU, **GRAPHS)
+    # With the float linear weights in FRACTAL_NZ too (weight_nz_mode 2).
+    return run(llama, NPU, additional_config={"weight_nz_mode": 2}, **GRAPHS)
 
 
 def test_dense_llama_with_full_decode_graphs_keeps_greedy_tokens(llama_npu_graphs, llama_npu):
@@ -288,6 +295,20 @@ def test_dense_llama_with_full_decode_graphs_keeps_greedy_tokens(llama_npu_graph
     (eager_worker,) = llama_npu["workers"]
     assert eager_worker["graph_replays"] == 0
     assert llama_npu_graphs["token_ids"] == llama_npu["token_ids"]
+
+
+def test_weight_nz_mode_2_casts_every_float_linear_weight(llama_npu_graphs, llama_npu):
+    """The graphs run above (greedy equal to llama_npu) had weight_nz_mode 2: each layer's
+    qkv, o, gate_up and down weights FRACTAL_NZ; embeddings, norms and the LM head ND. By
+    default (1) a float model keeps every weight ND."""
+    (worker,) = llama_npu_graphs["workers"]
+    layers = {name.split(".layers.")[1].split(".")[0] for name in worker["nz_weights"]}
+    projections = {"self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
+                   "mlp.gate_up_proj.weight", "mlp.down_proj.weight"}
+    assert set(worker["nz_weights"]) == {f"model.layers.{i}.{p}" for i in layers
+                                         for p in projections}
+    assert layers and layers == {str(i) for i in range(len(layers))}
+    assert llama_npu["workers"][0]["nz_weights"] == []
 
 
 def test_moe_model_with_full_decode_graphs_keeps_greedy_tokens(qwen3_moe, qwen3_moe_npu):

@@ -52,6 +52,7 @@ FULL = {
     },
     "rejection_sampler_config": {"backend": "triton"},
     "enable_cpu_binding": True,
+    "weight_nz_mode": 2,
 }
 
 
@@ -281,7 +282,6 @@ NEVER_IMPLEMENTED = {
     "ascend_compilation_config": ({"fuse_norm_quant": False}, "--compilation-config"),
     "enable_mlapo": (True, "unfused preprocess"),
     "mlapo_keep_prefill_weights": (True, "not implemented"),
-    "weight_nz_mode": (2, "ND layout"),
     "dump_config_path": ("/cfg/dump.json", "PrecisionDebugger"),
     "dump_config": ({"path": "/cfg/dump.json"}, "PrecisionDebugger"),
     "mix_placement": (True, "plan_mix_placement"),

@@ -51,6 +51,12 @@ BEHAVIOUR_TESTS = {
     "enable_cpu_binding": [
         "tests/e2e/test_npu_target.py::test_tensor_parallel_2_over_hccl_equals_tp_1",
     ],
+    "weight_nz_mode": [
+        "packages/ascend-core/tests/test_weight_format.py::"
+        "test_each_mode_casts_its_weights_and_outputs_stay",
+        "tests/e2e/test_npu_target.py::test_weight_nz_mode_2_casts_every_float_linear_weight",
+        "tests/e2e/test_npu_target.py::test_w8a8_checkpoint_on_npu_equals_the_host_target",
+    ],
 }
 
 

@@ -348,4 +348,4 @@ def test_swiglu_refuses_what_the_docs_rule_out(torch_npu, x, kwargs, error, matc
 def test_unmodelled_op_that_libraries_import_raises_when_called(torch_npu):
     with pytest.raises(NotImplementedError, match="npu_fusion_attention is not modelled"):
         torch_npu.npu_fusion_attention(torch.ones(1), torch.ones(1), torch.ones(1), 1, "BNSD")
-    assert not hasattr(torch_npu, "npu_format_cast")
+    assert not hasattr(torch_npu, "npu_mla_prolog_v2")

@@ -39,14 +39,16 @@ and their updates, ``ExternalEvent``);
 rotary ops of ``_ops_norm_quant``, the routing ops of ``_ops_routing`` and the weight
 quantization and grouped-matmul ops of ``_ops_quant``; the paged KV-cache write and fused
 inference attention of ``_ops_attention`` (with the attention's ``.out`` form and its
-graph workspace). Not modelled:
-profiling, formats (``npu_format_cast``), every other fused
-op; those names are absent, so their use fails. The exception is a name that libraries
+graph workspace); storage formats (``npu_format_cast``, ``get_npu_format``, ``Format``:
+ND and FRACTAL_NZ, recorded per storage, see ``_formats``). Not modelled:
+profiling, formats other than ND and FRACTAL_NZ, every other fused op; those names are
+absent, so their use fails. The exception is a name that libraries
 import eagerly when torch_npu is importable (transformers imports ``npu_fusion_attention``):
 it exists and raises ``NotImplementedError`` when called (``torch_npu._unmodelled``).
 """
 
 from torch_npu import (  # noqa: F401 - _reference: test controls
+           _formats,
            _ops,
            _ops_attention,
            _ops_norm_quant,
@@ -74,12 +76,19 @@ npu_add_rms_norm_dynamic_quant = _on_device(_ops_norm_quant.npu_add_rms_norm_dyn
 npu_add_rms_norm_quant = _on_device(_ops_norm_quant.npu_add_rms_norm_quant)
 npu_apply_rotary_pos_emb = _on_device(_ops_norm_quant.npu_apply_rotary_pos_emb)
 npu_dynamic_quant = _on_device(_ops_norm_quant.npu_dynamic_quant)
-npu_quant_matmul = _on_device(_ops_norm_quant.npu_quant_matmul)
+# x2 in FRACTAL_NZ: the binding calls aclnnQuantMatmulWeightNz for it (op-plugin's
+# npu_quant_matmul checks is_nz_format(x2)), though the page lists ND only.
+npu_quant_matmul = _on_device(_ops_norm_quant.npu_quant_matmul, nz=("x2",))
 npu_rotary_mul = _on_device(_ops_norm_quant.npu_rotary_mul)
 npu_convert_weight_to_int4pack = _on_device(_ops_quant.npu_convert_weight_to_int4pack)
-npu_grouped_matmul = _on_device(_ops_quant.npu_grouped_matmul)
+npu_grouped_matmul = _on_device(_ops_quant.npu_grouped_matmul, nz=("weight",))
 npu_quantize = _on_device(_ops_quant.npu_quantize)
-npu_weight_quant_batchmatmul = _on_device(_ops_quant.npu_weight_quant_batchmatmul)
+npu_weight_quant_batchmatmul = _on_device(_ops_quant.npu_weight_quant_batchmatmul,
+                                          nz=("weight",))
+# Formats act on npu tensors themselves (their storage), not on host views.
+Format = _formats.Format
+npu_format_cast = _formats.npu_format_cast
+get_npu_format = _formats.get_npu_format
 npu_moe_gating_top_k = _on_device(_ops_routing.npu_moe_gating_top_k)
 npu_moe_gating_top_k_softmax = _on_device(_ops_routing.npu_moe_gating_top_k_softmax)
 npu_top_k_top_p = _on_device(_ops_routing.npu_top_k_top_p)
@@ -88,7 +97,8 @@ __version__ = "2.13.0+reference"
 
 _install(npu)
 
-__all__ = ["npu", "npu_fusion_attention", "npu_rms_norm", "npu_swiglu",
+__all__ = ["Format", "get_npu_format", "npu_format_cast", "npu", "npu_fusion_attention",
+           "npu_rms_norm", "npu_swiglu",
            "npu_add_rms_norm", "npu_add_rms_norm_dynamic_quant", "npu_add_rms_norm_quant",
            "npu_apply_rotary_pos_emb", "npu_dynamic_quant", "npu_quant_matmul", "npu_rotary_mul",
            "npu_moe_gating_top_k", "npu_moe_gating_top_k_softmax", "npu_top_k_top_p",

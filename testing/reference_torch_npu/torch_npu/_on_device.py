@@ -13,16 +13,20 @@ While an ``NPUGraph`` is capturing, a call with npu tensors is one captured step
 on replay, as a real torch_npu op is one kernel launch in the graph (``torch_npu.npu.graphs``).
 Inside a graph task update (``torch_npu.npu.task_groups``) such a call is not run: it gives
 new arguments to the captured task it re-issues.
+
+Storage formats (``torch_npu._formats``): ``nz`` names the arguments the op takes in
+FRACTAL_NZ; an npu tensor cast to FRACTAL_NZ in any other argument raises, as on an NPU.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch.utils import _pytree as pytree
 
-from torch_npu import _device_ext
+from torch_npu import _device_ext, _formats
 
 DEVICE_TYPE = "npu"
 
@@ -85,14 +89,25 @@ def call_on_host(function, name: str, args, kwargs):
     return pytree.tree_map(lambda r: _back_on(r, device, npu_by_host, npu_by_data), result)
 
 
-def on_device(function, name: str | None = None):
+def on_device(function, name: str | None = None, nz: tuple[str, ...] = ()):
     """Wrap a reference torch_npu function so that it takes and returns npu tensors
-    (``name``: the torch_npu name, by default the function's)."""
+    (``name``: the torch_npu name, by default the function's; ``nz``: the arguments it
+    takes in FRACTAL_NZ)."""
     name = name or function.__name__
+    nz_arguments = frozenset(nz)
+    signature = inspect.signature(function)
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         from torch_npu.npu import graphs, task_groups
+
+        if _formats.any_recorded():
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                pass  # the function itself reports the bad call
+            else:
+                _formats.check_formats(name, bound.arguments.items(), nz_arguments)
 
         if task_groups._pending_update() is not None and graphs._touches_npu((args, kwargs)):
             # Inside graph_task_update_begin/_end a call re-issues a captured task.

@@ -189,6 +189,14 @@ class AscendConfig(_Section):
         "where the ranks fit.",
         npu_only=True,
     )
+    weight_nz_mode: int | None = _key(
+        None,
+        "Cast linear weights to the FRACTAL_NZ layout at load (npu_format_cast), which "
+        "Ascend matmuls read fastest: 0 never; 1 the quantized weights whose matmul takes NZ; "
+        "2 those and the float linear weights. Unset: VLLM_ASCEND_ENABLE_NZ (default 1).",
+        choices=(0, 1, 2),
+        npu_only=True,
+    )
 
     @classmethod
     def from_dict(
@@ -255,10 +263,6 @@ REMOVED_KEYS: Mapping[str, str] = MappingProxyType(
         "mlapo_keep_prefill_weights": (
             "the fused MLA preprocess (MLAPO) is not implemented here, so there are no extra "
             "weights to keep"
-        ),
-        "weight_nz_mode": (
-            "casting weights to FRACTAL_NZ is not implemented here; linear weights stay in the "
-            "ND layout"
         ),
         "refresh": (
             "this plugin parses additional_config anew at every start, which is what refresh "

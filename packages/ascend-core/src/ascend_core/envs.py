@@ -129,6 +129,16 @@ _REGISTRY: tuple[EnvVar, ...] = (
         "top_k allows. The default is a starting point, not measured on HCCL.",
         minimum=0,
     ),
+    EnvVar(
+        "VLLM_ASCEND_ENABLE_NZ",
+        "int",
+        1,
+        "Cast linear weights to the FRACTAL_NZ layout at load, which Ascend matmuls read "
+        "fastest. 0: never; 1: the quantized weights whose matmul takes NZ (the default: NZ "
+        "float weights are slower for some models); 2: those and the float linear weights. "
+        "additional_config 'weight_nz_mode' takes precedence. npu only.",
+        choices=(0, 1, 2),
+    ),
 )
 
 VARIABLES: Mapping[str, EnvVar] = MappingProxyType({var.name: var for var in _REGISTRY})
@@ -155,10 +165,6 @@ REMOVED: Mapping[str, str] = MappingProxyType(
         "VLLM_ASCEND_ENABLE_MLAPO": (
             "the fused MLA preprocess (MLAPO) is not implemented here; MLA models always run "
             "the unfused preprocess. Unset VLLM_ASCEND_ENABLE_MLAPO."
-        ),
-        "VLLM_ASCEND_ENABLE_NZ": (
-            "casting weights to FRACTAL_NZ is not implemented here; linear weights stay in "
-            "the ND layout. Unset VLLM_ASCEND_ENABLE_NZ."
         ),
         "VLLM_ASCEND_ENABLE_PREFETCH_MLP": (
             "MLP weight prefetch is not implemented here. Unset VLLM_ASCEND_ENABLE_PREFETCH_MLP."

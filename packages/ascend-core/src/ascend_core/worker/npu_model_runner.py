@@ -57,6 +57,8 @@ from ascend_core.worker.speculative import (
     install_registered_rejection_sampler,
     vllm_proposer_deferred,
 )
+from ascend_core.worker.weight_format import cast_weights_to_nz, nz_mode
+from ascend_kernels.dispatch import torch_npu_module
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +283,10 @@ class NPUModelRunner(GPUModelRunner):
 
     @_on_npu
     def load_model(self, *args, **kwargs):
-        return super().load_model(*args, **kwargs)
+        result = super().load_model(*args, **kwargs)
+        # weight_nz_mode / VLLM_ASCEND_ENABLE_NZ, before anything is compiled or captured.
+        self.nz_weights = cast_weights_to_nz(self.get_model(), nz_mode(), torch_npu_module())
+        return result
 
     @_on_npu
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):

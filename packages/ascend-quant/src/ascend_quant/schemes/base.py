@@ -137,6 +137,9 @@ class LinearScheme(ABC):
     #: True when ``apply`` ignores the layer's float bias because the checkpoint
     #: folds it into its own quantized bias (msModelSlim W8A8).
     folds_layer_bias: bool = False
+    #: the runtime tensors of the npu form that its torch_npu matmul takes in FRACTAL_NZ
+    #: (cast at load under weight_nz_mode, see ascend_core.worker.weight_format)
+    nz_weights: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: SchemeOptions, layer_name: str = "", *,
                  backend: str | None = None) -> None:

@@ -68,6 +68,7 @@ def _one_value(values: torch.Tensor, what: str, fail, reduce: str) -> torch.Tens
 
 class W8A8Static(LinearScheme):
     name = "W8A8"
+    nz_weights = ("npu_qweight",)  # npu_quant_matmul's x2
     summary = "int8 weights (per channel), int8 activations with one static scale"
 
     def validate_options(self) -> None:
@@ -195,6 +196,7 @@ class W8A8Static(LinearScheme):
 
 class W8A8Dynamic(LinearScheme):
     name = "W8A8_DYNAMIC"
+    nz_weights = ("npu_qweight",)  # npu_quant_matmul's x2
     summary = "int8 weights (per channel), int8 activations quantized per token at run time"
 
     def validate_options(self) -> None:

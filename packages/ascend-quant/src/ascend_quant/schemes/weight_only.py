@@ -123,6 +123,7 @@ def npu_dequantized_weight(weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 class W8A16(_WeightOnly):
     name = "W8A16"
+    nz_weights = ("npu_weight",)  # npu_weight_quant_batchmatmul's int8 weight
     summary = "int8 weights (per channel or group), float activations"
     bits = 8
 

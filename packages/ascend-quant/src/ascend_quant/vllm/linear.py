@@ -4,7 +4,8 @@
 loading checks, see ``params``); ``process_weights_after_loading`` refuses missing
 tensors, runs the scheme's ``process`` and replaces the checkpoint parameters by the
 runtime ones (registered as ``ascend_<name>``, so resident memory is what the scheme
-keeps); ``apply`` calls the scheme -- while vLLM's compilation traces the model on the npu
+keeps; ``ascend_nz_weights`` names those the npu runner may cast to FRACTAL_NZ); ``apply``
+calls the scheme -- while vLLM's compilation traces the model on the npu
 target (PIECEWISE graphs), through ``ascend_quant.traced_ops.linear``, one opaque node.
 """
 
@@ -141,6 +142,9 @@ class AscendQuantLinearMethod(LinearMethodBase):
                   if name in ledger.arrived}
         runtime = self.scheme.process(loaded, layer.ascend_quant_shapes, placement_of(layer))
         install_runtime(layer, list(ledger.specs), runtime)
+        # Cast to FRACTAL_NZ by the npu runner after loading, as weight_nz_mode says.
+        layer.ascend_nz_weights = tuple(RUNTIME_PREFIX + name for name in self.scheme.nz_weights
+                                        if name in runtime)
         del layer.ascend_quant_ledger
         layer.ascend_quant_traced = traced_ops.register_layer(
             layer.prefix, self.scheme, layer.ascend_quant_runtime,
