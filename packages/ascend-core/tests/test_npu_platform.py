@@ -191,6 +191,14 @@ def test_check_and_update_config_on_a_config_built_elsewhere(npu):
     assert config.cache_config.block_size == 128
 
 
+def test_a_bad_nz_mode_variable_stops_the_config_check(npu, monkeypatch):
+    from ascend_core.envs import EnvVarError
+
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "on")
+    with pytest.raises(EnvVarError, match="VLLM_ASCEND_ENABLE_NZ='on' is not an integer"):
+        npu.AscendPlatform.check_and_update_config(VllmConfig())
+
+
 def test_alloc_conf_is_set_when_the_user_did_not(on_npu_platform):
     VllmConfig()
     assert os.environ[ALLOC_CONF] == "expandable_segments:True"

@@ -22,6 +22,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from ascend_core import envs
 from ascend_core.config import init_ascend_config
 from ascend_core.platform.common import AscendPlatformMixin
+from ascend_core.worker.weight_format import nz_mode
 
 try:
     import torch_npu  # noqa: F401 - registers the npu device and torch.npu
@@ -238,6 +239,7 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         cls.run_config_hooks(vllm_config)
         init_ascend_config(vllm_config.additional_config, target="npu")
         envs.warn_removed()
+        nz_mode()  # a bad VLLM_ASCEND_ENABLE_NZ stops the start here, not in each worker
 
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
