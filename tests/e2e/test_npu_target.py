@@ -11,7 +11,8 @@ float16/bfloat16 only), on the same prompts, greedy, 16 tokens each:
 - n-gram and Medusa speculative decoding on the npu target: every token equal to the npu
   target without speculation;
 - FULL decode graphs (NPUGraph, vLLM's CUDAGraphWrapper): every token equal to the eager npu
-  run, with decode steps replayed from captured graphs;
+  run, with decode steps replayed from captured graphs (and, in that run, the float linear
+  weights in FRACTAL_NZ: weight_nz_mode 2);
 - W8A8 (compressed-tensors, dynamic per-token activations) Llama checkpoint, against the
   host target serving the same checkpoint, and tensor parallel 2 (two reference NPUs, HCCL =
   gloo underneath) against TP 1: here the sums are formed in another order (the int8
