@@ -89,6 +89,10 @@ def model_on(device):
     model.embed = torch.nn.Embedding(10, 32)
     model.proj = ReplicatedLinear(32, 16, bias=True, prefix="proj")
     model.quantized = QuantizedLayer()
+    # vLLM's linear layers allocate their weights empty (the loader fills them): give them
+    # values, or the outputs compared below can hold NaN, which never equals itself.
+    torch.nn.init.normal_(model.proj.weight)
+    torch.nn.init.normal_(model.proj.bias)
     return model.to(device)
 
 

@@ -38,8 +38,8 @@ def test_vllms_cli_runs_through_it():
     ({"VLLM_ASCEND_TARGET": "host"}, '{"enable_cpu_bindng": true}',
      "error: Unknown additional_config key 'enable_cpu_bindng'. Did you mean "
      "'enable_cpu_binding'?"),
-    ({"VLLM_ASCEND_TARGET": "host"}, '{"weight_nz_mode": 2}',
-     "error: additional_config key 'weight_nz_mode' was removed: "),
+    ({"VLLM_ASCEND_TARGET": "host"}, '{"enable_mlapo": true}',
+     "error: additional_config key 'enable_mlapo' was removed: "),
     ({"VLLM_ASCEND_TARGET": "gpu"}, None,
      "error: VLLM_ASCEND_TARGET='gpu' is not allowed: expected one of auto | npu | host"),
 ])
