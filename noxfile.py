@@ -203,6 +203,9 @@ def e2e(session: nox.Session) -> None:
     editable = [f"-e{PACKAGES / name}[{'test' if name in SIBLINGS else 'pd-host'}]"
                 for name in ALL]
     session.install("pytest", "pytest-xdist", "ninja", *editable)
+    # Several test files serve the tiny Medusa heads: train them once, on every core, before
+    # the test processes would each train them beside running engines (about 9 min there).
+    session.run("python", str(ROOT / "tests" / "e2e" / "tiny_medusa.py"))
     # Two test files at a time: an engine start is mostly one core's Python work, so two
     # files' engines overlap well on a 2-core machine (module-scoped engines stay per file).
     # Not in the default run: with other engines beside it, prefill TP 2 -> decode TP 1

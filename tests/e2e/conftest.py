@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_runs import PROMPTS, RUN_LLM, run_script, run_vllm
+from vllm_runs import PROMPTS, RUN_LLM, pin_xdist_worker_to_one_core, run_script, run_vllm
+
+
+def pytest_configure(config) -> None:
+    pin_xdist_worker_to_one_core()
 
 
 @pytest.fixture(scope="session")

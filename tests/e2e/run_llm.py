@@ -5,6 +5,7 @@ vLLM needs one process per configuration. Usage:
 
     python run_llm.py '{"model": "...", "prompts": [...], "max_tokens": 16, "llm": {...},
                         "sampling": {...}}'
+    python run_llm.py '{"model": "...", "score": [[token ids], ...], "llm": {...}}'
 """
 
 from __future__ import annotations
@@ -98,6 +99,21 @@ def spec_decode_metrics(llm) -> dict:
     return counters
 
 
+def score(llm, sequences: list[list[int]]) -> dict:
+    """Teacher-forced: the logprob the model gives each token of each sequence (from the
+    second on), whatever it would have chosen itself."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences], params,
+                           use_tqdm=False)
+    return {"token_logprobs": [[position[token].logprob
+                                for token, position in zip(ids[1:], out.prompt_logprobs[1:],
+                                                           strict=True)]
+                               for ids, out in zip(sequences, outputs, strict=True)]}
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -107,6 +123,9 @@ def main() -> None:
                       gpu_memory_utilization=0.05, seed=0)
     llm_kwargs.update(args.get("llm", {}))
     llm = LLM(model=args["model"], **llm_kwargs)
+    if "score" in args:
+        print("RESULT " + json.dumps(score(llm, args["score"])), flush=True)
+        return
     # "sampling" overrides these SamplingParams (e.g. {"temperature": 0.8, "seed": 7}).
     params = SamplingParams(**{"temperature": 0.0, "max_tokens": args.get("max_tokens", 16),
                                "ignore_eos": True, **args.get("sampling", {})})

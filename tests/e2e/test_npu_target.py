@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_runs import PROMPTS, run_vllm
+from vllm_runs import ALL_CPUS, PROMPTS, run_vllm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = str(REPO_ROOT / "testing" / "reference_torch_npu")
@@ -236,14 +236,14 @@ def test_tensor_parallel_2_over_hccl_equals_tp_1(medusa_demo, medusa_base_npu):
     assert_equal_up_to_near_ties(result, medusa_base_npu, "TP 2 vs TP 1 on npu")
     from ascend_core.worker.cpu_binding import cpu_share, numa_node_of_core
 
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = sorted(ALL_CPUS)  # a run with two workers gets every core (vllm_runs)
     expected = [cpu_share(allowed, rank, 2, numa_node_of_core()) for rank in (0, 1)]
     assert [w["cpu_affinity"] for w in result["workers"]] == expected
     if len(allowed) >= 2:
         assert not set(expected[0]) & set(expected[1])
     assert [w["torch_threads"] for w in result["workers"]] == [len(c) for c in expected]
-    # Without the key vLLM's worker keeps the whole machine.
-    assert medusa_base_npu["workers"][0]["cpu_affinity"] == allowed
+    # Without the key vLLM's worker keeps the cores it was started on.
+    assert medusa_base_npu["workers"][0]["cpu_affinity"] == sorted(os.sched_getaffinity(0))
 
 
 # --- MoE (unquantized experts) ----------------------------------------------------------------
@@ -262,17 +262,36 @@ def qwen3_moe_npu(qwen3_moe) -> dict:
     return run(qwen3_moe, NPU)
 
 
-def test_moe_model_on_npu_equals_the_host_target(qwen3_moe, qwen3_moe_npu):
+def score(model, env, sequences, **llm) -> list[list[float]]:
+    return run_vllm({"model": str(model), "score": sequences, "llm": {**LLM, **llm}},
+                    env)["token_logprobs"]
+
+
+def largest_difference(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for xs, ys in zip(a, b, strict=True)
+               for x, y in zip(xs, ys, strict=True))
+
+
+def test_moe_model_on_npu_is_as_exact_as_the_host_target(qwen3_moe, qwen3_moe_npu):
     """8 experts, top-2 renormalised: routing on npu_moe_gating_top_k_softmax, experts on
-    npu_grouped_matmul + npu_swiglu. Expert sums are formed in another order than vLLM's
-    CPU experts, so bfloat16 may flip a near-tie: compared up to near-ties."""
-    host = run(qwen3_moe, HOST)
+    npu_grouped_matmul + npu_swiglu. This random MoE (weights std 0.2) has large logits, and
+    bfloat16 sums formed in another order than vLLM's CPU experts part its greedy paths by
+    0.5 nat on some CPUs (seen with AMX), so its greedy tokens are not compared. Instead the
+    same sequences (the npu run's prompts and greedy continuations) are scored teacher-forced
+    in float32 on the host, and the npu target's logprobs must lie no further from those than
+    the host target's own bfloat16 logprobs do (within a factor of 2)."""
     npu = qwen3_moe_npu
     assert_on_npu(npu)
     (worker,) = npu["workers"]
     assert "AscendUnquantizedFusedMoEMethod" in worker["layer_classes"]
-    assert len({tuple(ids) for ids in host["token_ids"]}) == len(PROMPTS)
-    assert_equal_up_to_near_ties(npu, host, "qwen3-MoE npu vs host")
+    assert len({tuple(ids) for ids in npu["token_ids"]}) == len(PROMPTS)
+    sequences = [p + c for p, c in zip(npu["prompt_token_ids"], npu["token_ids"], strict=True)]
+    exact = score(qwen3_moe, HOST, sequences, dtype="float32")
+    on_npu = largest_difference(score(qwen3_moe, NPU, sequences), exact)
+    on_host = largest_difference(score(qwen3_moe, HOST, sequences), exact)
+    print(f"\nqwen3-MoE bfloat16 vs float32, largest logprob difference over "
+          f"{sum(map(len, exact))} tokens: npu {on_npu:.3f}, host {on_host:.3f}")
+    assert on_npu <= 2 * on_host + 0.05
 
 
 # --- FULL decode graphs -----------------------------------------------------------------------

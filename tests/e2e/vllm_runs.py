@@ -37,6 +37,28 @@ def vllm_environment(env: dict | None) -> dict:
 
 RUN_LLM = HERE / "run_llm.py"
 
+# Every core this test session may use. Under pytest-xdist each worker pins itself, and so the
+# engines it starts, to one of them (conftest.py): two engines whose OpenMP threads spin on the
+# same two cores slow each other down, and a test process training Medusa heads beside an
+# engine took ten times its time alone. Runs with several workers take every core back.
+ALL_CPUS = frozenset(os.sched_getaffinity(0))
+
+
+def pin_xdist_worker_to_one_core() -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and len(ALL_CPUS) > 1:
+        cpus = sorted(ALL_CPUS)
+        os.sched_setaffinity(0, {cpus[int(worker[2:]) % len(cpus)]})
+
+
+def cores_for(llm: dict, env: dict | None):
+    """A ``preexec_fn`` giving a run every core when it has several workers (tensor parallel,
+    or vLLM's CPU threads bound to several cores), else None (the caller's cores)."""
+    bind = (env or {}).get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if llm.get("tensor_parallel_size", 1) > 1 or "|" in bind:
+        return lambda: os.sched_setaffinity(0, ALL_CPUS)
+    return None
+
 
 def run_script(script: str | os.PathLike, args: dict, env: dict | None = None,
                timeout: float = 600) -> tuple[dict, str]:
@@ -45,7 +67,7 @@ def run_script(script: str | os.PathLike, args: dict, env: dict | None = None,
     cleanly: a crash at shutdown fails the run too."""
     proc = subprocess.run([sys.executable, str(script), json.dumps(args)],
                           env=vllm_environment(env), capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, preexec_fn=cores_for(args.get("llm", {}), env))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT ") and proc.returncode == 0:
             return json.loads(line[len("RESULT "):]), proc.stdout + proc.stderr
