@@ -58,3 +58,44 @@ def test_a_bad_plugin_setting_ends_serve_with_one_line_and_no_traceback(env, add
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(line), proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["vllm", "serve", "M"], ["vllm", "serve", "M", "--shutdown-timeout", "10"]),
+    (["vllm", "serve", "M", "--shutdown-timeout", "0"], None),
+    (["vllm", "serve", "M", "--shutdown-timeout=3"], None),
+    (["vllm", "bench", "serve"], None),
+    (["vllm", "--version"], None),
+])
+def test_serve_drains_on_shutdown_unless_told_otherwise(argv, expected):
+    from ascend_plugin.cli import with_graceful_shutdown
+
+    assert with_graceful_shutdown(argv) == (expected or argv)
+
+
+def test_ctrl_c_stops_serve_without_an_error(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group: the API server and its engine."""
+    import os
+    import signal
+
+    from ascend_plugin.demo_model import demo_model_dir
+    from ascend_plugin.serving import free_port, wait_until_healthy
+
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ascend_plugin.cli", "serve", str(demo_model_dir()),
+             "--port", str(port), "--max-model-len", "512", "--enforce-eager"],
+            env={**os.environ, "VLLM_ASCEND_TARGET": "host", "VLLM_CPU_KVCACHE_SPACE": "1"},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_until_healthy(f"http://127.0.0.1:{port}", proc, 300, str(log_path))
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)
+            returncode = proc.wait(timeout=120)
+    output = log_path.read_text()
+    assert returncode == 0, output[-3000:]
+    assert "stopping engine client mode=drain" in output  # vLLM's own shutdown log line
+    for sign in ("EngineDeadError", "Traceback", " ERROR "):
+        assert sign not in output, output[-3000:]
