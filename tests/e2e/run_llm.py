@@ -6,6 +6,8 @@ vLLM needs one process per configuration. Usage:
     python run_llm.py '{"model": "...", "prompts": [...], "max_tokens": 16, "llm": {...},
                         "sampling": {...}}'
     python run_llm.py '{"model": "...", "score": [[token ids], ...], "llm": {...}}'
+
+"score_own": true adds "token_logprobs" of the prompts and their continuations (``score``).
 """
 
 from __future__ import annotations
@@ -141,6 +143,9 @@ def main() -> None:
         # Per prompt, per generated position: {token id: logprob} of the top candidates.
         result["logprobs"] = [[{str(token): entry.logprob for token, entry in position.items()}
                                for position in out.outputs[0].logprobs] for out in outputs]
+    if args.get("score_own"):  # the prompts with their greedy continuations, teacher-forced
+        result.update(score(llm, [p + c for p, c in zip(result["prompt_token_ids"],
+                                                        result["token_ids"], strict=True)]))
     metrics = spec_decode_metrics(llm)
     if metrics:
         result["metrics"] = metrics
