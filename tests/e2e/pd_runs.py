@@ -56,25 +56,3 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
         time.sleep(interval)
     raise AssertionError(f"{what} within {timeout} s")
 
-
-def assert_equal_up_to_near_ties(answers: list[dict], references: list[dict], near_tie: float,
-                                 what: str) -> None:
-    """Completions asked with ``logprobs``: the tokens equal, or equal up to a position where
-    both replies rank both tokens among their top logprobs within ``near_tie`` of each other
-    (bfloat16 sums formed in another batch round a near-tie either way); nothing after it is
-    compared, the contexts differ from there."""
-    for prompt, (ours, theirs) in enumerate(zip(answers, references, strict=True)):
-        a, b = ours["choices"][0]["logprobs"], theirs["choices"][0]["logprobs"]
-        n = 0
-        while n < min(len(a["tokens"]), len(b["tokens"])) and a["tokens"][n] == b["tokens"][n]:
-            n += 1
-        if n == len(a["tokens"]) == len(b["tokens"]):
-            continue
-        pair = (a["tokens"][n], b["tokens"][n])
-        for top in (a["top_logprobs"][n], b["top_logprobs"][n]):
-            assert all(t in top for t in pair), (
-                f"{what}, prompt {prompt}: tokens {pair} differ at position {n} and are not "
-                f"both in the top logprobs there: {top}")
-            gap = abs(top[pair[0]] - top[pair[1]])
-            assert gap <= near_tie, (f"{what}, prompt {prompt}: tokens {pair} at position {n} "
-                                     f"are {gap:.3f} nat apart, not a near-tie (<= {near_tie})")
