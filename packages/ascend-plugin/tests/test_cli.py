@@ -58,3 +58,54 @@ def test_a_bad_plugin_setting_ends_serve_with_one_line_and_no_traceback(env, add
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(line), proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_engine_dead_records_are_dropped_only_once_the_frontend_stops_its_engine():
+    import logging
+
+    from ascend_plugin.cli import _EngineStoppedOnPurpose
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    def record(error):
+        return logging.LogRecord("vllm.v1.engine.async_llm", logging.ERROR, __file__, 1,
+                                 "AsyncLLM output_handler failed.", None,
+                                 (type(error), error, None))
+
+    quiet = _EngineStoppedOnPurpose()
+    assert quiet.filter(record(EngineDeadError()))  # an engine dying while serving is logged
+    quiet.stopping = True
+    assert not quiet.filter(record(EngineDeadError()))
+    assert quiet.filter(record(ValueError("another failure")))
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_a_normal_stop_of_serve_logs_no_error(tmp_path, stop):
+    """Ctrl-C reaches the terminal's whole process group: the API server and its engine;
+    SIGTERM (a service manager's stop) reaches the API server only."""
+    import os
+    import signal
+
+    from ascend_plugin.demo_model import demo_model_dir
+    from ascend_plugin.serving import free_port, wait_until_healthy
+
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ascend_plugin.cli", "serve", str(demo_model_dir()),
+             "--port", str(port), "--max-model-len", "512", "--enforce-eager"],
+            env={**os.environ, "VLLM_ASCEND_TARGET": "host", "VLLM_CPU_KVCACHE_SPACE": "1"},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_until_healthy(f"http://127.0.0.1:{port}", proc, 300, str(log_path))
+        finally:
+            if stop == "SIGINT":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.terminate()
+            returncode = proc.wait(timeout=120)
+    output = log_path.read_text()
+    assert returncode == 0, output[-3000:]
+    assert "[shutdown] MPClient: complete" in output  # vLLM's own shutdown went to its end
+    for sign in ("EngineDeadError", "Traceback", " ERROR "):
+        assert sign not in output, output[-3000:]

