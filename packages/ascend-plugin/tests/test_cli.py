@@ -63,8 +63,9 @@ def test_a_bad_plugin_setting_ends_serve_with_one_line_and_no_traceback(env, add
 def test_engine_dead_records_are_dropped_only_once_the_frontend_stops_its_engine():
     import logging
 
-    from ascend_plugin.cli import _EngineStoppedOnPurpose
     from vllm.v1.engine.exceptions import EngineDeadError
+
+    from ascend_plugin.cli import _EngineStoppedOnPurpose
 
     def record(error):
         return logging.LogRecord("vllm.v1.engine.async_llm", logging.ERROR, __file__, 1,
