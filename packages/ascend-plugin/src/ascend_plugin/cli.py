@@ -71,13 +71,14 @@ class _EngineStoppedOnPurpose(logging.Filter):
         self.stopping = False
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if not (self.stopping and record.exc_info):
+            return True
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        error = record.exc_info[1] if record.exc_info else None
-        return not (self.stopping and isinstance(error, EngineDeadError))
+        return not isinstance(record.exc_info[1], EngineDeadError)
 
 
-def quiet_normal_shutdown() -> _EngineStoppedOnPurpose:
+def quiet_normal_shutdown() -> None:
     """vLLM 0.32's ``AsyncLLM.shutdown`` closes the engine client before it cancels its output
     handler; the handler then reads the cancelled output queue as a dead engine and logs
     ``EngineDeadError`` with a traceback at every normal stop. From the moment ``shutdown`` is
@@ -94,7 +95,6 @@ def quiet_normal_shutdown() -> _EngineStoppedOnPurpose:
         return shutdown(self, *args, **kwargs)
 
     async_llm.AsyncLLM.shutdown = shutdown_quietly
-    return quiet
 
 
 def plugin_config_error(error: BaseException) -> BaseException | None:
