@@ -142,9 +142,9 @@ def test_add_rms_norm_dynamic_quant_output_mask(torch_npu):
     y1, y2, _, scale1, scale2 = torch_npu.npu_add_rms_norm_dynamic_quant(
         x, x, gamma, output_mask=[True, False])
     assert y1.shape == (3, 16) and scale1.shape == (3,)
-    assert y2.numel() == 0 and scale2.numel() == 0
+    assert y2.shape == () and scale2.shape == ()
     y1, y2, _, _, _ = torch_npu.npu_add_rms_norm_dynamic_quant(x, x, gamma)  # empty mask
-    assert y1.shape == (3, 16) and y2.numel() == 0
+    assert y1.shape == (3, 16) and y2.shape == ()
     with pytest.raises(ValueError, match="cannot both be False"):
         torch_npu.npu_add_rms_norm_dynamic_quant(x, x, gamma, output_mask=[False, False])
     with pytest.raises(ValueError, match="smooth_scale1 is given, so output_mask"):
@@ -154,6 +154,25 @@ def test_add_rms_norm_dynamic_quant_output_mask(torch_npu):
         torch_npu.npu_add_rms_norm_dynamic_quant(x[0], x[0], gamma)
     with pytest.raises(NotImplementedError, match="quint4x2"):
         torch_npu.npu_add_rms_norm_dynamic_quant(x, x, gamma, y_dtype=torch.quint4x2)
+
+
+@pytest.mark.parametrize("mask", [[True, False], [False, True]])
+def test_add_rms_norm_dynamic_quant_masked_off_outputs_are_0_dim(torch_npu, mask):
+    # The real binding returns a 0-dim tensor (sizes {}, one element) for an output the
+    # mask turns off, not an empty (0,) one.
+    x = torch.randn(2, 3, 16, dtype=torch.float16)
+    gamma = torch.ones(16, dtype=torch.float16)
+    y1, y2, _, scale1, scale2 = torch_npu.npu_add_rms_norm_dynamic_quant(
+        x, x, gamma, output_mask=mask)
+    on, off = ((y1, scale1), (y2, scale2)) if mask[0] else ((y2, scale2), (y1, scale1))
+    assert on[0].shape == (2, 3, 16) and on[1].shape == (2, 3)
+    for tensor, dtype in zip(off, (torch.int8, torch.float32), strict=True):
+        assert tensor.dim() == 0 and tensor.numel() == 1 and tensor.dtype == dtype
+    npu_outputs = torch_npu.npu_add_rms_norm_dynamic_quant(
+        x.to("npu"), x.to("npu"), gamma.to("npu"), output_mask=mask)
+    assert [tuple(t.shape) for t in npu_outputs] == [tuple(t.shape) for t in (y1, y2)] + [
+        (2, 3, 16)] + [tuple(t.shape) for t in (scale1, scale2)]
+    assert all(t.device.type == "npu" for t in npu_outputs)
 
 
 # --- npu_dynamic_quant --------------------------------------------------------------------

@@ -214,8 +214,9 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
     smooth_scale_i`` per row: ``scale_i = row_max(|.|) / 127`` (float32, ``x1``'s shape
     without the last dim), ``y_i = round(. / scale_i)``. Path 1 runs unless
     ``output_mask[0]`` is False; path 2 when ``output_mask[1]`` is True or, with an empty
-    mask, when both smooth scales are given. A path that does not run returns empty
-    tensors. An empty mask with only ``smooth_scale2`` is left open by the page and raises.
+    mask, when both smooth scales are given. A path that does not run returns 0-dim
+    tensors (one element, int8 and float32), as the real binding does. An empty mask with
+    only ``smooth_scale2`` is left open by the page and raises.
     """
     for name, value in (("x1", x1), ("x2", x2), ("gamma", gamma)):
         _require_tensor(name, value)
@@ -264,7 +265,8 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
 
     def path(run: bool, smooth):
         if not run:
-            return (torch.empty(0, dtype=torch.int8), torch.empty(0, dtype=torch.float32))
+            # The real binding still returns a tensor there: 0-dim (sizes {}), one element.
+            return (torch.zeros((), dtype=torch.int8), torch.zeros((), dtype=torch.float32))
         return _dynamic_quant_rows(y if smooth is None else y * smooth.float())
 
     y1, scale1 = path(first, smooth_scale1)
