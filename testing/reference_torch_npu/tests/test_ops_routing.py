@@ -36,6 +36,28 @@ def test_gating_top_k_softmax_is_softmax_then_top_k(torch_npu, dtype):
     assert row_idx.tolist() == [[j * 5 + i for j in range(3)] for i in range(5)]
 
 
+def test_gating_top_k_softmax_ranks_the_softmax_in_x_dtype_lower_expert_first(torch_npu):
+    # The real op's test golden: softmax in float32, cast to x's dtype, then top-k keeping
+    # the lower expert among equal scores; it compares expert_idx exactly. With 5120
+    # float16 experts and small logits, near scores round to one float16 value.
+    torch.manual_seed(3)
+    rows, experts, k = 6, 5120, 8
+    x = (torch.randn(rows, experts) * 0.01).to(torch.float16)
+    y, expert_idx, _ = torch_npu.npu_moe_gating_top_k_softmax(x, None, k=k)
+    cast = torch.softmax(x.float(), dim=-1).to(torch.float16)
+    ties_changed_the_choice = False
+    for r in range(rows):
+        scores = cast[r].tolist()
+        want = sorted(range(experts), key=lambda e: (-scores[e], e))[:k]
+        assert expert_idx[r].tolist() == want
+        assert y[r].tolist() == [scores[e] for e in want]
+        by_float32 = torch.softmax(x[r].float(), dim=-1).topk(k).indices.tolist()
+        ties_changed_the_choice |= by_float32 != want
+    assert ties_changed_the_choice  # the case exercises ties the cast creates
+    npu_y, npu_idx, _ = torch_npu.npu_moe_gating_top_k_softmax(x.to("npu"), None, k=k)
+    assert torch.equal(npu_idx.cpu(), expert_idx) and torch.equal(npu_y.cpu(), y)
+
+
 def test_gating_top_k_softmax_refuses_what_it_does_not_model(torch_npu):
     x = torch.randn(4, 8)
     with pytest.raises(NotImplementedError, match="finished is not modelled"):

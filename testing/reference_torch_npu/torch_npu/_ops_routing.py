@@ -49,8 +49,9 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
       documented; the reference models ``finished=None`` only.
     - ``k``: ``0 < k <= experts`` and ``k <= 1024``.
 
-    Returns ``y = topk(softmax(x, -1), k)`` values in ``x``'s dtype, largest first;
-    ``expert_idx`` their int32 indices; ``row_idx`` int32 with
+    Returns ``y = topk(softmax(x, -1), k)``: the softmax computed in float32 and cast to
+    ``x``'s dtype, then ranked largest first, the lower expert first among equal values
+    (the real op's test golden); ``expert_idx`` their int32 indices; ``row_idx`` int32 with
     ``row_idx[i, j] = j * rows + i`` (the page's ``arange(rows * k).reshape(k,
     rows).transpose(1, 0)``).
     """
@@ -74,10 +75,13 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
     if not 0 < k <= min(experts, _GATING_SOFTMAX_MAX_K):
         raise ValueError(f"k={k} is out of range; it must satisfy 0 < k <= {experts} (x's "
                          f"last dim) and k <= {_GATING_SOFTMAX_MAX_K}.")
-    y, expert_idx = _descending_top_k(x.float().softmax(dim=-1), k)
+    # The real op's test golden ranks the softmax after casting it to x's dtype, the lower
+    # expert first among equal scores, and compares expert_idx exactly: in float16 many
+    # experts round to equal scores, so ranking the float32 softmax picks other experts.
+    y, expert_idx = _descending_top_k(x.float().softmax(dim=-1).to(x.dtype), k)
     rows = x.shape[0]
     row_idx = torch.arange(rows * k, dtype=torch.int32).reshape(k, rows).transpose(0, 1)
-    return y.to(x.dtype), expert_idx.to(torch.int32), row_idx.contiguous()
+    return y, expert_idx.to(torch.int32), row_idx.contiguous()
 
 
 def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_select_mode=0,
