@@ -324,5 +324,5 @@ def test_padding_slot_is_refused_by_the_kv_write(torch_npu):
     spec = _spec(2, 32, torch.float16)
     impl = AscendAttentionImpl(2, 32, 0.1, 2, None, None, "auto")
     key = torch.zeros(2, 2, 32, dtype=torch.float16)
-    with pytest.raises(ValueError, match="Drop padding tokens"):
+    with pytest.raises(RuntimeError, match="Drop padding tokens"):
         impl.do_kv_cache_update(None, key, key, _allocate_cache(spec), torch.tensor([0, -1]))

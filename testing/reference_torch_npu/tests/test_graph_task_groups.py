@@ -128,10 +128,10 @@ def test_out_form_and_workspace(torch_npu):
     assert returned[0] is out and returned[1] is lse
     expected, _ = torch_npu.npu_fused_infer_attention_score(query, key, value, **kwargs)
     torch.testing.assert_close(out.cpu(), expected.cpu(), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="workspace"):
+    with pytest.raises(RuntimeError, match="workspace"):
         torch_npu.npu_fused_infer_attention_score.out(
             query, key, value, workspace=workspace[:10], out=[out, lse], **kwargs)
-    with pytest.raises(ValueError, match=r"out\[0\]"):
+    with pytest.raises(RuntimeError, match=r"out\[0\]"):
         torch_npu.npu_fused_infer_attention_score.out(
             query, key, value, workspace=workspace, out=[out[:1], lse], **kwargs)
 

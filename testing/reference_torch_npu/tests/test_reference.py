@@ -275,16 +275,16 @@ def test_rms_norm_accepts_float32_gamma_with_half_input(torch_npu):
 @pytest.mark.parametrize(
     ("x", "gamma", "kwargs", "error", "match"),
     [
-        (torch.ones(2, 4, dtype=torch.int32), torch.ones(4, dtype=torch.int32), {}, TypeError,
+        (torch.ones(2, 4, dtype=torch.int32), torch.ones(4, dtype=torch.int32), {}, RuntimeError,
          "supported dtypes"),
-        (torch.ones(2, 4), torch.ones(4, dtype=torch.float16), {}, TypeError, "must match"),
+        (torch.ones(2, 4), torch.ones(4, dtype=torch.float16), {}, RuntimeError, "must match"),
         (torch.ones(2, 4, dtype=torch.float16), torch.ones(4, dtype=torch.bfloat16), {},
-         TypeError, "must match"),
-        (torch.ones(2, 4), torch.ones(3), {}, ValueError, "trailing dims"),
-        (torch.ones(2, 4), torch.ones(2, 2, 4), {}, ValueError, "trailing dims"),
-        (torch.ones(4, 2).t(), torch.ones(4), {}, ValueError, "not contiguous"),
-        (torch.ones(0, 4), torch.ones(4), {}, ValueError, "empty"),
-        (torch.ones([1] * 9), torch.ones(1), {}, ValueError, "1 to 8 dims"),
+         RuntimeError, "must match"),
+        (torch.ones(2, 4), torch.ones(3), {}, RuntimeError, "trailing dims"),
+        (torch.ones(2, 4), torch.ones(2, 2, 4), {}, RuntimeError, "trailing dims"),
+        (torch.ones(4, 2).t(), torch.ones(4), {}, RuntimeError, "not contiguous"),
+        (torch.ones(0, 4), torch.ones(4), {}, RuntimeError, "empty"),
+        (torch.ones([1] * 9), torch.ones(1), {}, RuntimeError, "1 to 8 dims"),
         (torch.ones(2, 4), torch.ones(4), {"epsilon": "1e-6"}, TypeError, "epsilon"),
         (torch.ones(2, 4), [1.0] * 4, {}, TypeError, "gamma must be a torch.Tensor"),
     ],
@@ -330,14 +330,14 @@ def test_swiglu_default_dim_is_last(torch_npu):
 @pytest.mark.parametrize(
     ("x", "kwargs", "error", "match"),
     [
-        (torch.ones(2, 5), {}, ValueError, "divisible by 2"),
-        (torch.ones(2, 4), {"dim": 2}, ValueError, "out of range"),
-        (torch.ones(2, 4), {"dim": -3}, ValueError, "out of range"),
+        (torch.ones(2, 5), {}, RuntimeError, "divisible by 2"),
+        (torch.ones(2, 4), {"dim": 2}, RuntimeError, "out of range"),
+        (torch.ones(2, 4), {"dim": -3}, RuntimeError, "out of range"),
         (torch.ones(2, 4), {"dim": 1.0}, TypeError, "dim must be an int"),
-        (torch.ones(4, 2).t(), {}, ValueError, "not contiguous"),
-        (torch.ones(2, 0), {}, ValueError, "empty"),
-        (torch.ones(2, 4, dtype=torch.float64), {}, TypeError, "supported dtypes"),
-        (torch.ones([2] * 9), {}, ValueError, "1 to 8 dims"),
+        (torch.ones(4, 2).t(), {}, RuntimeError, "not contiguous"),
+        (torch.ones(2, 0), {}, RuntimeError, "empty"),
+        (torch.ones(2, 4, dtype=torch.float64), {}, RuntimeError, "supported dtypes"),
+        (torch.ones([2] * 9), {}, RuntimeError, "1 to 8 dims"),
     ],
 )
 def test_swiglu_refuses_what_the_docs_rule_out(torch_npu, x, kwargs, error, match):
@@ -349,3 +349,39 @@ def test_unmodelled_op_that_libraries_import_raises_when_called(torch_npu):
     with pytest.raises(NotImplementedError, match="npu_fusion_attention is not modelled"):
         torch_npu.npu_fusion_attention(torch.ones(1), torch.ones(1), torch.ones(1), 1, "BNSD")
     assert not hasattr(torch_npu, "npu_mla_prolog_v2")
+
+
+# --- the errors the ops raise -------------------------------------------------------------
+
+_HALF = torch.float16
+
+
+@pytest.mark.parametrize(("op", "args", "kwargs"), [
+    ("npu_rms_norm", (torch.ones(2, 4, dtype=torch.int32), torch.ones(4)), {}),
+    ("npu_swiglu", (torch.ones(2, 5),), {}),
+    ("npu_add_rms_norm", (torch.ones(2, 4), torch.ones(2, 3), torch.ones(4)), {}),
+    ("npu_dynamic_quant", (torch.ones(4, dtype=_HALF),), {}),
+    ("npu_quantize", (torch.ones(2, 4), torch.ones(3), None, torch.qint8), {"axis": 1}),
+    ("npu_moe_gating_top_k_softmax", (torch.ones(4, 8),), {"k": 9}),
+    ("npu_top_k_top_p", (torch.ones(2, 8), torch.ones(2), torch.ones(2, dtype=torch.int64)),
+     {}),
+    ("npu_scatter_pa_kv_cache", (torch.ones(2, 1, 16, dtype=_HALF),) * 2
+     + (torch.ones(1, 4, 1, 16, dtype=_HALF),) * 2 + (torch.tensor([0, 9]),),
+     {"cache_mode": "Norm"}),
+])
+def test_argument_checks_raise_runtime_error(torch_npu, op, args, kwargs):
+    # op-plugin's checks are TORCH_CHECKs, which reach Python as RuntimeError; a
+    # ValueError or TypeError there would let code under test catch what the real op never
+    # raises (and miss what it does).
+    with pytest.raises(RuntimeError) as raised:
+        getattr(torch_npu, op)(*args, **kwargs)
+    assert type(raised.value) is RuntimeError
+
+
+def test_python_argument_types_raise_type_error_as_the_binding_parser_does(torch_npu):
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        torch_npu.npu_swiglu([1.0, 2.0])
+    with pytest.raises(TypeError, match="k must be an int"):
+        torch_npu.npu_moe_gating_top_k_softmax(torch.ones(4, 8), k=2.5)
+    with pytest.raises(TypeError):
+        torch_npu.npu_rms_norm(torch.ones(2, 4), torch.ones(4), no_such_argument=1)

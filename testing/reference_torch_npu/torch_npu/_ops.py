@@ -5,6 +5,16 @@ rules) and raises on what the page rules out or what the reference does not mode
 than computing something the real op would refuse. Arithmetic is done in float32 and the
 result cast once to the output dtype; the real kernels may round intermediates differently,
 so compare with a tolerance suited to the dtype.
+
+Errors, as the real binding raises them:
+
+- ``RuntimeError`` for an argument the op's checks refuse (a dtype, shape or value the page
+  rules out): op-plugin's checks are ``TORCH_CHECK``s, which reach Python as RuntimeError;
+- ``TypeError`` where the Python type of an argument is wrong (not a Tensor, an int, a
+  float, a bool or a list where the schema names one, an unknown keyword): the generated
+  binding's argument parser refuses those before the op runs;
+- ``NotImplementedError`` (a RuntimeError too) for what the real op does but the
+  reference does not model: never a silently different result.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ def _require_tensor(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
     if value.device.type != "cpu":
-        raise ValueError(
+        raise RuntimeError(
             f"{name} is on {value.device}; the reference torch_npu computes on CPU tensors "
             "(it stands in for NPU memory with host memory)."
         )
@@ -28,7 +38,7 @@ def _require_tensor(name: str, value: object) -> torch.Tensor:
 
 def _require_float_dtype(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
+        raise RuntimeError(
             f"{name} has dtype {tensor.dtype}; supported dtypes are float16, bfloat16 and "
             "float32."
         )
@@ -36,15 +46,15 @@ def _require_float_dtype(name: str, tensor: torch.Tensor) -> None:
 
 def _require_dims(name: str, tensor: torch.Tensor, low: int) -> None:
     if not low <= tensor.dim() <= _MAX_DIMS:
-        raise ValueError(f"{name} must have {low} to {_MAX_DIMS} dims, got {tensor.dim()}.")
+        raise RuntimeError(f"{name} must have {low} to {_MAX_DIMS} dims, got {tensor.dim()}.")
 
 
 def _require_dense(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
+        raise RuntimeError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
                          "not supported.")
     if not tensor.is_contiguous():
-        raise ValueError(f"{name} is not contiguous; non-contiguous tensors are not supported.")
+        raise RuntimeError(f"{name} is not contiguous; non-contiguous tensors are not supported.")
 
 
 def npu_rms_norm(self, gamma, epsilon=1e-06):
@@ -76,13 +86,13 @@ def npu_rms_norm(self, gamma, epsilon=1e-06):
     if gamma.dtype != self.dtype and not (
         gamma.dtype == torch.float32 and self.dtype in (torch.float16, torch.bfloat16)
     ):
-        raise TypeError(
+        raise RuntimeError(
             f"gamma has dtype {gamma.dtype} but self has {self.dtype}; gamma must match "
             "self's dtype (or be float32 when self is float16/bfloat16)."
         )
     norm_dims = gamma.dim()
     if norm_dims > self.dim() or tuple(gamma.shape) != tuple(self.shape[self.dim() - norm_dims:]):
-        raise ValueError(
+        raise RuntimeError(
             f"gamma's shape {tuple(gamma.shape)} must equal the trailing dims of self's shape "
             f"{tuple(self.shape)}."
         )
@@ -114,12 +124,12 @@ def npu_swiglu(input, dim=-1):
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}.")
     if not -input.dim() <= dim <= input.dim() - 1:
-        raise ValueError(
+        raise RuntimeError(
             f"dim={dim} is out of range for a {input.dim()}-dim input; use "
             f"{-input.dim()}..{input.dim() - 1}."
         )
     if input.shape[dim] % 2:
-        raise ValueError(
+        raise RuntimeError(
             f"input's size along dim {dim} is {input.shape[dim]}; it must be divisible by 2."
         )
     first, second = input.float().chunk(2, dim=dim)

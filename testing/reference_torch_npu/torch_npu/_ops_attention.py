@@ -2,9 +2,9 @@
 
 The same rules as ``torch_npu._ops``: each function follows its Ascend/op-plugin
 ``docs/context/`` page (argument names, shapes, dtype rules; the Atlas A2/A3 rows, the
-modelled machine being an Ascend 910B), raises ``TypeError``/``ValueError`` on what the
-page rules out and ``NotImplementedError`` on what it documents but the reference does not
-model. Attention is computed in float32 and cast once to the query's dtype.
+modelled machine being an Ascend 910B), raises ``RuntimeError`` on what the page rules
+out and ``NotImplementedError`` on what it documents but the reference does not model (the
+errors of ``torch_npu._ops``). Attention is computed in float32 and cast once to the query's dtype.
 
 Modelled forms:
 
@@ -40,7 +40,7 @@ _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 
 def _require_contiguous(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_contiguous():
-        raise ValueError(f"{name} is not contiguous; the page rules out non-contiguous "
+        raise RuntimeError(f"{name} is not contiguous; the page rules out non-contiguous "
                          "tensors.")
 
 
@@ -54,7 +54,7 @@ def _check_block_table(block_table, batch: int) -> None:
     _require_tensor("block_table", block_table)
     if block_table.dtype != torch.int32 or block_table.dim() != 2 \
             or block_table.shape[0] != batch:
-        raise ValueError(f"block_table has dtype {block_table.dtype} and shape "
+        raise RuntimeError(f"block_table has dtype {block_table.dtype} and shape "
                          f"{tuple(block_table.shape)}; it must be int32 [B={batch}, "
                          "max blocks per batch].")
 
@@ -91,7 +91,7 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
                 "cache_mode='PA_NZ' (the default) scatters into NZ-format caches, which the "
                 "reference torch_npu does not model; pass cache_mode='Norm' with ND caches "
                 "of [num_blocks, block_size, num_head, head_size].")
-        raise ValueError(f"cache_mode={cache_mode!r}: the page allows None, 'Norm' or "
+        raise RuntimeError(f"cache_mode={cache_mode!r}: the page allows None, 'Norm' or "
                          "'PA_NZ'.")
     for name, extra in (("compress_lens", compress_lens),
                         ("compress_seq_offsets", compress_seq_offsets),
@@ -104,43 +104,43 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
         _require_tensor(name, tensor)
         _require_contiguous(name, tensor)
     if key.dim() != 3 or value.dim() != 3:
-        raise ValueError(f"key and value must be 3-D [tokens, num_head, head_size] in the "
+        raise RuntimeError(f"key and value must be 3-D [tokens, num_head, head_size] in the "
                          f"modelled scenario, got {tuple(key.shape)} and "
                          f"{tuple(value.shape)}.")
     if key.shape[:2] != value.shape[:2]:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree "
+        raise RuntimeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree "
                          "in their first two dims.")
     for name, tensor in (("value", value), ("key_cache", key_cache),
                          ("value_cache", value_cache)):
         if tensor.dtype != key.dtype:
-            raise TypeError(f"{name} has dtype {tensor.dtype} but key has {key.dtype}; the "
+            raise RuntimeError(f"{name} has dtype {tensor.dtype} but key has {key.dtype}; the "
                             "page requires identical dtypes.")
     for name, cache, source in (("key_cache", key_cache, key),
                                 ("value_cache", value_cache, value)):
         if cache.dim() != 4 or cache.shape[2:] != source.shape[1:]:
-            raise ValueError(f"{name} has shape {tuple(cache.shape)}; with cache_mode='Norm' "
+            raise RuntimeError(f"{name} has shape {tuple(cache.shape)}; with cache_mode='Norm' "
                              "it must be [num_blocks, block_size, "
                              f"{source.shape[1]}, {source.shape[2]}].")
     if key_cache.shape[:2] != value_cache.shape[:2]:
-        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache "
+        raise RuntimeError(f"key_cache {tuple(key_cache.shape)} and value_cache "
                          f"{tuple(value_cache.shape)} must have equal num_blocks and "
                          "block_size.")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slot_mapping has dtype {slot_mapping.dtype}; it must be int32 or "
+        raise RuntimeError(f"slot_mapping has dtype {slot_mapping.dtype}; it must be int32 or "
                         "int64.")
     if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}; it must be "
+        raise RuntimeError(f"slot_mapping has shape {tuple(slot_mapping.shape)}; it must be "
                          f"({key.shape[0]},), one slot per token of key.")
     num_blocks, block_size = key_cache.shape[:2]
     slots = slot_mapping.long()
     if slots.numel():
         low, high = int(slots.min()), int(slots.max())
         if low < 0 or high >= num_blocks * block_size:
-            raise ValueError(f"slot_mapping holds values in [{low}, {high}]; they must lie in "
+            raise RuntimeError(f"slot_mapping holds values in [{low}, {high}]; they must lie in "
                              f"[0, {num_blocks * block_size - 1}] (num_blocks * block_size - "
                              "1). Drop padding tokens before the call.")
         if slots.unique().numel() != slots.numel():
-            raise ValueError("slot_mapping holds duplicate slots; the page requires unique "
+            raise RuntimeError("slot_mapping holds duplicate slots; the page requires unique "
                              "values.")
     key_cache.view(-1, *key_cache.shape[2:])[slots] = key
     value_cache.view(-1, *value_cache.shape[2:])[slots] = value
@@ -170,13 +170,13 @@ def _per_batch_lengths(name: str, lengths, batch: int, limit: int | None) -> lis
     if len(lengths) == 1:
         lengths = list(lengths) * batch
     elif len(lengths) < batch:
-        raise ValueError(f"{name} has {len(lengths)} values for a batch of {batch}; the page "
+        raise RuntimeError(f"{name} has {len(lengths)} values for a batch of {batch}; the page "
                          "allows 1 value or at least B.")
     lengths = list(lengths[:batch])
     for b, length in enumerate(lengths):
         if length < 0 or (limit is not None and length > limit):
             bound = f"[0, {limit}]" if limit is not None else "non-negative"
-            raise ValueError(f"{name}[{b}] = {length}; it must be {bound}.")
+            raise RuntimeError(f"{name}[{b}] = {length}; it must be {bound}.")
     return lengths
 
 
@@ -184,15 +184,15 @@ def _check_compressed_causal_mask(atten_mask) -> None:
     _require_tensor("atten_mask", atten_mask)
     side = _COMPRESSED_MASK_SIDE
     if atten_mask.dtype not in _MASK_DTYPES:
-        raise TypeError(f"atten_mask has dtype {atten_mask.dtype}; the page allows bool, int8 "
+        raise RuntimeError(f"atten_mask has dtype {atten_mask.dtype}; the page allows bool, int8 "
                         "and uint8.")
     if atten_mask.shape not in ((side, side), (1, side, side), (1, 1, side, side)):
-        raise ValueError(f"atten_mask has shape {tuple(atten_mask.shape)}; with sparse_mode=3 "
+        raise RuntimeError(f"atten_mask has shape {tuple(atten_mask.shape)}; with sparse_mode=3 "
                          f"it must be the compressed ({side}, {side}) mask (or with leading "
                          "1s).")
     expected = torch.triu(torch.ones(side, side, dtype=torch.bool), diagonal=1)
     if not torch.equal(atten_mask.reshape(side, side).bool(), expected):
-        raise ValueError("atten_mask is not the compressed causal mask: with sparse_mode=3 "
+        raise RuntimeError("atten_mask is not the compressed causal mask: with sparse_mode=3 "
                          "it must hold 1 strictly above the diagonal (not computed) and 0 "
                          "elsewhere, i.e. torch.triu(torch.ones(2048, 2048), diagonal=1).")
 
@@ -280,10 +280,10 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
             raise NotImplementedError(f"{name} in int8 (quantized attention) is not modelled "
                                       "by the reference torch_npu.")
         if tensor.dtype not in _HALF_DTYPES:
-            raise TypeError(f"{name} has dtype {tensor.dtype}; the page allows float16 and "
+            raise RuntimeError(f"{name} has dtype {tensor.dtype}; the page allows float16 and "
                             "bfloat16 (and int8 for key/value).")
     if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(f"query ({query.dtype}), key ({key.dtype}) and value ({value.dtype}) "
+        raise RuntimeError(f"query ({query.dtype}), key ({key.dtype}) and value ({value.dtype}) "
                         "must share one dtype in the modelled (unquantized) form.")
 
     if input_layout in ("TND", "TND_NTD", "NTD_TND"):
@@ -296,23 +296,23 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     heads = _require_int("num_heads", num_heads)
     kv_heads = _require_int("num_key_value_heads", num_key_value_heads) or heads
     if heads < 1 or heads > 256:
-        raise ValueError(f"num_heads={heads}; it must be in [1, 256].")
+        raise RuntimeError(f"num_heads={heads}; it must be in [1, 256].")
     if heads % kv_heads or heads // kv_heads > 64:
-        raise ValueError(f"num_heads={heads} and num_key_value_heads={kv_heads}: num_heads "
+        raise RuntimeError(f"num_heads={heads} and num_key_value_heads={kv_heads}: num_heads "
                          "must be a multiple of num_key_value_heads, at most 64 times it.")
     if input_layout == "BSND":
         if query.dim() != 4 or query.shape[2] != heads:
-            raise ValueError(f"query has shape {tuple(query.shape)}; with input_layout='BSND' "
+            raise RuntimeError(f"query has shape {tuple(query.shape)}; with input_layout='BSND' "
                              f"it must be [B, Q_S, num_heads={heads}, D].")
         head_dim = query.shape[3]
     else:
         if query.dim() != 3 or query.shape[2] % heads:
-            raise ValueError(f"query has shape {tuple(query.shape)}; with input_layout='BSH' "
+            raise RuntimeError(f"query has shape {tuple(query.shape)}; with input_layout='BSH' "
                              f"it must be [B, Q_S, H] with H a multiple of num_heads={heads}.")
         head_dim = query.shape[2] // heads
     batch, q_s = query.shape[0], query.shape[1]
     if head_dim % 16 or head_dim > 512:
-        raise ValueError(f"head dim D={head_dim}; with float16/bfloat16 inputs it must be a "
+        raise RuntimeError(f"head dim D={head_dim}; with float16/bfloat16 inputs it must be a "
                          "multiple of 16 and at most 512.")
 
     if block_table is None:
@@ -322,23 +322,23 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     block = _require_int("block_size", block_size)
     if q_s == 1:
         if block <= 0 or block % 16:
-            raise ValueError(f"block_size={block}; with Q_S = 1 and float16/bfloat16 "
+            raise RuntimeError(f"block_size={block}; with Q_S = 1 and float16/bfloat16 "
                              "caches it must be a positive multiple of 16.")
     elif block not in (128, 256, 384, 512):
-        raise ValueError(f"block_size={block}; page attention with Q_S > 1 needs 128 to 512 "
+        raise RuntimeError(f"block_size={block}; page attention with Q_S > 1 needs 128 to 512 "
                          "in steps of 128.")
     hidden_kv = kv_heads * head_dim
     for name, cache in (("key", key), ("value", value)):
         if cache.dim() != 3 or cache.shape[1] != block or cache.shape[2] != hidden_kv:
-            raise ValueError(f"{name} has shape {tuple(cache.shape)}; for page attention it "
+            raise RuntimeError(f"{name} has shape {tuple(cache.shape)}; for page attention it "
                              f"must be (num_blocks, block_size={block}, "
                              f"num_key_value_heads * D = {hidden_kv}).")
     if hidden_kv > 65535:
-        raise ValueError(f"num_key_value_heads * D = {hidden_kv} exceeds 65535, which the "
+        raise RuntimeError(f"num_key_value_heads * D = {hidden_kv} exceeds 65535, which the "
                          "(num_blocks, block_size, H) cache layout cannot address.")
     num_blocks = key.shape[0]
     if actual_seq_lengths_kv is None:
-        raise ValueError("page attention needs actual_seq_lengths_kv.")
+        raise RuntimeError("page attention needs actual_seq_lengths_kv.")
     kv_lengths = _per_batch_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch,
                                     None)
     if actual_seq_lengths is None or q_s == 1:
@@ -347,21 +347,21 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         q_lengths = _per_batch_lengths("actual_seq_lengths", actual_seq_lengths, batch, q_s)
     blocks_per_batch = [-(-length // block) for length in kv_lengths]
     if max(blocks_per_batch, default=0) > block_table.shape[1]:
-        raise ValueError(f"block_table has {block_table.shape[1]} columns but a batch needs "
+        raise RuntimeError(f"block_table has {block_table.shape[1]} columns but a batch needs "
                          f"{max(blocks_per_batch)} blocks for actual_seq_lengths_kv "
                          f"{kv_lengths} and block_size {block}.")
     if sum(blocks_per_batch) > num_blocks:
-        raise ValueError(f"the caches hold {num_blocks} blocks, fewer than the "
+        raise RuntimeError(f"the caches hold {num_blocks} blocks, fewer than the "
                          f"{sum(blocks_per_batch)} the batches' lengths need.")
     for b, count in enumerate(blocks_per_batch):
         ids = block_table[b, :count]
         if count and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-            raise ValueError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
+            raise RuntimeError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
                              f"{num_blocks - 1}].")
 
     mode = _require_int("sparse_mode", sparse_mode)
     if mode not in (0, 1, 2, 3, 4):
-        raise ValueError(f"sparse_mode={mode}; the page allows 0 to 4.")
+        raise RuntimeError(f"sparse_mode={mode}; the page allows 0 to 4.")
     causal = False
     if q_s == 1:
         if atten_mask is not None:
@@ -373,16 +373,16 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
                                       "causal mask.")
     elif mode == 3:
         if atten_mask is None:
-            raise ValueError("sparse_mode=3 needs the compressed (2048, 2048) atten_mask.")
+            raise RuntimeError("sparse_mode=3 needs the compressed (2048, 2048) atten_mask.")
         _check_compressed_causal_mask(atten_mask)
         causal = True
     else:
         raise NotImplementedError(f"sparse_mode={mode} is not modelled; the reference "
                                   "models 0 (no mask) and 3 (rightDownCausal).")
     if _require_int("inner_precise", inner_precise) not in (0, 1, 2, 3):
-        raise ValueError(f"inner_precise={inner_precise}; the page allows 0 to 3.")
+        raise RuntimeError(f"inner_precise={inner_precise}; the page allows 0 to 3.")
     if q_s == 1 and inner_precise not in (0, 1):
-        raise ValueError(f"inner_precise={inner_precise} with Q_S = 1; the page allows 0 or 1.")
+        raise RuntimeError(f"inner_precise={inner_precise} with Q_S = 1; the page allows 0 or 1.")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}.")
     if not isinstance(softmax_lse_flag, bool):
@@ -410,7 +410,7 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
             cols = torch.arange(kv_len).unsqueeze(0)
             allowed = cols <= rows + (kv_len - q_len)
             if not bool(allowed.any(dim=1).all()):
-                raise ValueError(f"batch {b}: actual_seq_lengths {q_len} exceeds "
+                raise RuntimeError(f"batch {b}: actual_seq_lengths {q_len} exceeds "
                                  f"actual_seq_lengths_kv {kv_len}, so rightDownCausal "
                                  "leaves query rows with no key; the page leaves their "
                                  "result open.")
@@ -456,7 +456,7 @@ def _mla_page_attention(given: dict):
     query, key, value = given["query"], given["key"], given["value"]
     query_rope, key_rope = given["query_rope"], given["key_rope"]
     if query_rope is None or key_rope is None:
-        raise ValueError("query_rope and key_rope must be given together (the MLA form); "
+        raise RuntimeError("query_rope and key_rope must be given together (the MLA form); "
                          f"got query_rope={'set' if query_rope is not None else None} and "
                          f"key_rope={'set' if key_rope is not None else None}.")
     for name in _UNMODELLED_FIA_ARGUMENTS:
@@ -474,11 +474,11 @@ def _mla_page_attention(given: dict):
         _require_tensor(name, tensor)
         _require_contiguous(name, tensor)
         if tensor.dtype not in _HALF_DTYPES:
-            raise TypeError(f"{name} has dtype {tensor.dtype}; the MLA form takes float16 "
+            raise RuntimeError(f"{name} has dtype {tensor.dtype}; the MLA form takes float16 "
                             "or bfloat16.")
     for name, tensor in tensors[1:]:
         if tensor.dtype != query.dtype:
-            raise TypeError(f"{name} has dtype {tensor.dtype} but query has {query.dtype}; "
+            raise RuntimeError(f"{name} has dtype {tensor.dtype} but query has {query.dtype}; "
                             "the page requires query_rope like query and key_rope like key, "
                             "all of one dtype here.")
 
@@ -491,24 +491,24 @@ def _mla_page_attention(given: dict):
                                   "models 'BSND' and 'BSH'.")
     heads = _require_int("num_heads", given["num_heads"])
     if heads not in _MLA_NUM_HEADS:
-        raise ValueError(f"num_heads={heads}; with query_rope the page takes query heads "
+        raise RuntimeError(f"num_heads={heads}; with query_rope the page takes query heads "
                          f"{list(_MLA_NUM_HEADS)}.")
     kv_heads = _require_int("num_key_value_heads", given["num_key_value_heads"])
     if kv_heads != 1:
-        raise ValueError(f"num_key_value_heads={kv_heads}; with key_rope the page needs one "
+        raise RuntimeError(f"num_key_value_heads={kv_heads}; with key_rope the page needs one "
                          "latent KV head (num_key_value_heads=1).")
     if query.dim() != query_rope.dim():
-        raise ValueError(f"query {tuple(query.shape)} and query_rope "
+        raise RuntimeError(f"query {tuple(query.shape)} and query_rope "
                          f"{tuple(query_rope.shape)} must have the same layout.")
     if layout == "BSND":
         if query.dim() != 4 or query.shape[2] != heads:
-            raise ValueError(f"query has shape {tuple(query.shape)}; with input_layout='BSND' "
+            raise RuntimeError(f"query has shape {tuple(query.shape)}; with input_layout='BSND' "
                              f"it must be [B, Q_S, num_heads={heads}, D].")
         head_dim, rope_dim = query.shape[3], query_rope.shape[3]
         q_lead, rope_lead = query.shape[:3], query_rope.shape[:3]
     else:
         if query.dim() != 3 or query.shape[2] % heads or query_rope.shape[2] % heads:
-            raise ValueError(f"query {tuple(query.shape)} and query_rope "
+            raise RuntimeError(f"query {tuple(query.shape)} and query_rope "
                              f"{tuple(query_rope.shape)}: with input_layout='BSH' both must "
                              f"be [B, Q_S, H] with H a multiple of num_heads={heads}.")
         head_dim, rope_dim = query.shape[2] // heads, query_rope.shape[2] // heads
@@ -517,34 +517,34 @@ def _mla_page_attention(given: dict):
         raise NotImplementedError("query D 128 with rope (the TND form without page "
                                   "attention) is not modelled; the reference models D 512.")
     if head_dim != _MLA_HEAD_DIM:
-        raise ValueError(f"query D={head_dim}; with query_rope the page takes D 512 (or 128).")
+        raise RuntimeError(f"query D={head_dim}; with query_rope the page takes D 512 (or 128).")
     if rope_dim != _MLA_ROPE_DIM or rope_lead != q_lead:
-        raise ValueError(f"query_rope has shape {tuple(query_rope.shape)}; it must match "
+        raise RuntimeError(f"query_rope has shape {tuple(query_rope.shape)}; it must match "
                          f"query {tuple(query.shape)} except for D, which is 64.")
     batch, q_s = query.shape[0], query.shape[1]
     if not 1 <= q_s <= _MLA_MAX_QUERY_TOKENS:
-        raise ValueError(f"Q_S={q_s}; with query_rope the page takes 1 to "
+        raise RuntimeError(f"Q_S={q_s}; with query_rope the page takes 1 to "
                          f"{_MLA_MAX_QUERY_TOKENS} query tokens per batch.")
 
     block_table = given["block_table"]
     if block_table is None:
-        raise ValueError("the MLA form (query D 512 with rope) needs page attention: pass "
+        raise RuntimeError("the MLA form (query D 512 with rope) needs page attention: pass "
                          "block_table and block_size.")
     _check_block_table(block_table, batch)
     block = _require_int("block_size", given["block_size"])
     if block not in _MLA_BLOCK_SIZES:
-        raise ValueError(f"block_size={block}; the MLA form takes {list(_MLA_BLOCK_SIZES)}.")
+        raise RuntimeError(f"block_size={block}; the MLA form takes {list(_MLA_BLOCK_SIZES)}.")
     for name, cache, width in (("key", key, _MLA_HEAD_DIM), ("value", value, _MLA_HEAD_DIM),
                                ("key_rope", key_rope, _MLA_ROPE_DIM)):
         if cache.dim() != 3 or cache.shape[1] != block or cache.shape[2] != width:
-            raise ValueError(f"{name} has shape {tuple(cache.shape)}; in the MLA form it must "
+            raise RuntimeError(f"{name} has shape {tuple(cache.shape)}; in the MLA form it must "
                              f"be the ND cache (num_blocks, block_size={block}, {width}).")
     if not key.shape[0] == value.shape[0] == key_rope.shape[0]:
-        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and key_rope "
+        raise RuntimeError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and key_rope "
                          f"{tuple(key_rope.shape)} must hold the same number of blocks.")
     num_blocks = key.shape[0]
     if given["actual_seq_lengths_kv"] is None:
-        raise ValueError("page attention needs actual_seq_lengths_kv.")
+        raise RuntimeError("page attention needs actual_seq_lengths_kv.")
     kv_lengths = _per_batch_lengths("actual_seq_lengths_kv", given["actual_seq_lengths_kv"],
                                     batch, None)
     if given["actual_seq_lengths"] is None or q_s == 1:
@@ -554,35 +554,35 @@ def _mla_page_attention(given: dict):
                                        batch, q_s)
     blocks_per_batch = [-(-length // block) for length in kv_lengths]
     if max(blocks_per_batch, default=0) > block_table.shape[1]:
-        raise ValueError(f"block_table has {block_table.shape[1]} columns but a batch needs "
+        raise RuntimeError(f"block_table has {block_table.shape[1]} columns but a batch needs "
                          f"{max(blocks_per_batch)} blocks for actual_seq_lengths_kv "
                          f"{kv_lengths} and block_size {block}.")
     for b, count in enumerate(blocks_per_batch):
         ids = block_table[b, :count]
         if count and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-            raise ValueError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
+            raise RuntimeError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
                              f"{num_blocks - 1}].")
 
     mode = _require_int("sparse_mode", given["sparse_mode"])
     atten_mask = given["atten_mask"]
     if q_s == 1:
         if mode != 0 or atten_mask is not None:
-            raise ValueError(f"sparse_mode={mode} with a mask={atten_mask is not None} at "
+            raise RuntimeError(f"sparse_mode={mode} with a mask={atten_mask is not None} at "
                              "Q_S = 1; the MLA form takes sparse_mode=0 and no mask there.")
     else:
         if mode != 3 or atten_mask is None:
-            raise ValueError(f"sparse_mode={mode} at Q_S = {q_s}; the MLA form takes "
+            raise RuntimeError(f"sparse_mode={mode} at Q_S = {q_s}; the MLA form takes "
                              "sparse_mode=3 with the compressed (2048, 2048) causal mask "
                              "when Q_S > 1.")
         _check_compressed_causal_mask(atten_mask)
     inner = _require_int("inner_precise", given["inner_precise"])
     if inner not in ((0, 1) if q_s == 1 else (0, 1, 2, 3)):
-        raise ValueError(f"inner_precise={inner} is outside what the page allows here.")
+        raise RuntimeError(f"inner_precise={inner} is outside what the page allows here.")
     scale = given["scale"]
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}.")
     if given["softmax_lse_flag"] is not False:
-        raise ValueError("softmax_lse_flag=True is ruled out by the page in the MLA form.")
+        raise RuntimeError("softmax_lse_flag=True is ruled out by the page in the MLA form.")
 
     q_all = query.reshape(batch, q_s, heads, _MLA_HEAD_DIM).float()
     q_rope_all = query_rope.reshape(batch, q_s, heads, _MLA_ROPE_DIM).float()
@@ -602,7 +602,7 @@ def _mla_page_attention(given: dict):
             cols = torch.arange(kv_len).unsqueeze(0)
             allowed = cols <= rows + (kv_len - q_len)
             if not bool(allowed.any(dim=1).all()):
-                raise ValueError(f"batch {b}: actual_seq_lengths {q_len} exceeds "
+                raise RuntimeError(f"batch {b}: actual_seq_lengths {q_len} exceeds "
                                  f"actual_seq_lengths_kv {kv_len}, so rightDownCausal "
                                  "leaves query rows with no key.")
             scores = scores.masked_fill(~allowed, -math.inf)
@@ -628,7 +628,7 @@ def fused_attention_workspace_bytes(query, num_heads) -> int:
         raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}.")
     heads = _require_int("num_heads", num_heads)
     if heads < 1 or query.dim() not in (3, 4):
-        raise ValueError(f"query of shape {tuple(query.shape)} with num_heads={heads}: "
+        raise RuntimeError(f"query of shape {tuple(query.shape)} with num_heads={heads}: "
                          "expected a BSND or BSH query and num_heads >= 1.")
     rows = query.shape[0] * query.shape[1] * heads
     head_dim = query.numel() // max(rows, 1)
@@ -674,7 +674,7 @@ def npu_fused_infer_attention_score_out(query, key, value, *, workspace, out, **
     _require_tensor("workspace", workspace)
     needed = fused_attention_workspace_bytes(query, kwargs.get("num_heads", 1))
     if workspace.dtype != torch.uint8 or workspace.numel() < needed:
-        raise ValueError(f"workspace is {workspace.dtype} of {workspace.numel()} elements; "
+        raise RuntimeError(f"workspace is {workspace.dtype} of {workspace.numel()} elements; "
                          f"the call needs uint8 of at least {needed} bytes (use "
                          "_npu_fused_infer_attention_score_get_max_workspace).")
     if not isinstance(out, (list, tuple)) or len(out) != 2:
@@ -684,13 +684,13 @@ def npu_fused_infer_attention_score_out(query, key, value, *, workspace, out, **
                                                    ("softmax_lse", out[1], softmax_lse))):
         _require_tensor(f"out[{index}]", given)
         if given.shape != result.shape:
-            raise ValueError(f"out[{index}] ({name}) has shape {tuple(given.shape)}; the call "
+            raise RuntimeError(f"out[{index}] ({name}) has shape {tuple(given.shape)}; the call "
                              f"produces {tuple(result.shape)}.")
         if index == 0 and given.dtype != result.dtype:
-            raise TypeError(f"out[0] (attention_out) is {given.dtype}; the call produces "
+            raise RuntimeError(f"out[0] (attention_out) is {given.dtype}; the call produces "
                             f"{result.dtype}.")
         if index == 1 and not given.dtype.is_floating_point:
-            raise TypeError(f"out[1] (softmax_lse) is {given.dtype}; expected a floating "
+            raise RuntimeError(f"out[1] (softmax_lse) is {given.dtype}; expected a floating "
                             "dtype.")
         given.copy_(result)
     return out

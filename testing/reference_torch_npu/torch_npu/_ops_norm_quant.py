@@ -2,10 +2,11 @@
 
 The same rules as ``torch_npu._ops``: each function follows its page under Ascend/op-plugin
 ``docs/context/`` (argument names, shapes, dtype tables), models the Atlas A2/A3 rows of
-those tables (the modelled machine is an Ascend 910B), raises ``TypeError``/``ValueError``
-on what the page rules out and ``NotImplementedError`` on arguments it documents but the
-reference does not model. Arithmetic is done in float32 (integer matmuls exactly) and cast
-once; int8 results round half to even (``torch.round``) and saturate to [-128, 127].
+those tables (the modelled machine is an Ascend 910B), raises ``RuntimeError`` on what the
+page rules out and ``NotImplementedError`` on arguments it documents but the reference
+does not model (the errors of ``torch_npu._ops``). Arithmetic is done in float32 (integer
+matmuls exactly) and cast once; int8 results round half to even (``torch.round``) and
+saturate to [-128, 127].
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ _INT8_MIN, _INT8_MAX = -128, 127
 
 def _require_half_dtype(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in _HALF_DTYPES:
-        raise TypeError(f"{name} has dtype {tensor.dtype}; supported dtypes are float16 and "
+        raise RuntimeError(f"{name} has dtype {tensor.dtype}; supported dtypes are float16 and "
                         "bfloat16.")
 
 
 def _require_not_empty(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
+        raise RuntimeError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
                          "not supported.")
 
 
@@ -38,10 +39,10 @@ def _require_epsilon(epsilon) -> float:
 
 def _require_same(name: str, tensor: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
     if tensor.shape != like.shape:
-        raise ValueError(f"{name} has shape {tuple(tensor.shape)} but {like_name} has "
+        raise RuntimeError(f"{name} has shape {tuple(tensor.shape)} but {like_name} has "
                          f"{tuple(like.shape)}; they must be equal.")
     if tensor.dtype != like.dtype:
-        raise TypeError(f"{name} has dtype {tensor.dtype} but {like_name} has {like.dtype}; "
+        raise RuntimeError(f"{name} has dtype {tensor.dtype} but {like_name} has {like.dtype}; "
                         "they must be equal.")
 
 
@@ -49,7 +50,7 @@ def _require_trailing(name: str, tensor: torch.Tensor, x_name: str, x: torch.Ten
     """``tensor``'s shape must be the trailing dims of ``x``; returns how many dims."""
     dims = tensor.dim()
     if dims == 0 or dims > x.dim() or tuple(tensor.shape) != tuple(x.shape[x.dim() - dims:]):
-        raise ValueError(f"{name}'s shape {tuple(tensor.shape)} must equal the trailing dims "
+        raise RuntimeError(f"{name}'s shape {tuple(tensor.shape)} must equal the trailing dims "
                          f"of {x_name}'s shape {tuple(x.shape)}.")
     return dims
 
@@ -95,7 +96,7 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06):
         _require_not_empty(name, value)
     _require_same("x2", x2, "x1", x1)
     if gamma.dtype != x1.dtype:
-        raise TypeError(f"gamma has dtype {gamma.dtype} but x1 has {x1.dtype}; gamma must "
+        raise RuntimeError(f"gamma has dtype {gamma.dtype} but x1 has {x1.dtype}; gamma must "
                         "have x1's dtype.")
     norm_dims = _require_trailing("gamma", gamma, "x1", x1)
     eps = _require_epsilon(epsilon)
@@ -141,11 +142,11 @@ def npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1, beta=None, scal
         _require_not_empty(name, value)
     _require_same("x2", x2, "x1", x1)
     if gamma.dtype != x1.dtype:
-        raise TypeError(f"gamma has dtype {gamma.dtype} but x1 has {x1.dtype}; they must "
+        raise RuntimeError(f"gamma has dtype {gamma.dtype} but x1 has {x1.dtype}; they must "
                         "be equal.")
     norm_dims = _require_trailing("gamma", gamma, "x1", x1)
     if isinstance(axis, bool) or axis != -1:
-        raise ValueError(f"axis={axis!r}: only the default -1 is supported.")
+        raise RuntimeError(f"axis={axis!r}: only the default -1 is supported.")
     if not isinstance(div_mode, bool):
         raise TypeError(f"div_mode must be a bool, got {type(div_mode).__name__}.")
     eps = _require_epsilon(epsilon)
@@ -154,10 +155,10 @@ def npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1, beta=None, scal
     def check_param(name: str, value, dtype: torch.dtype) -> None:
         _require_tensor(name, value)
         if value.dtype != dtype:
-            raise TypeError(f"{name} has dtype {value.dtype}; with {x1.dtype} inputs it "
+            raise RuntimeError(f"{name} has dtype {value.dtype}; with {x1.dtype} inputs it "
                             f"must be {dtype}.")
         if value.shape != gamma.shape:
-            raise ValueError(f"{name} has shape {tuple(value.shape)}; it must equal gamma's "
+            raise RuntimeError(f"{name} has shape {tuple(value.shape)}; it must equal gamma's "
                              f"{tuple(gamma.shape)}.")
 
     check_param("scales1", scales1, scale_dtype)
@@ -169,11 +170,11 @@ def npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1, beta=None, scal
         check_param("scales2", scales2, scale_dtype)
     if zero_points2 is not None:
         if scales2 is None:
-            raise ValueError("zero_points2 needs scales2.")
+            raise RuntimeError("zero_points2 needs scales2.")
         check_param("zero_points2", zero_points2, zero_dtype)
     for name, scales in (("scales1", scales1), ("scales2", scales2)):
         if scales is not None and div_mode and bool((scales == 0).any()):
-            raise ValueError(f"{name} holds 0, which div_mode=True divides by.")
+            raise RuntimeError(f"{name} holds 0, which div_mode=True divides by.")
 
     added = x1.float() + x2.float()
     y, _ = _rms_normalise(added, gamma, eps, norm_dims)
@@ -231,25 +232,25 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
             continue
         _require_tensor(name, value)
         if value.dtype != x1.dtype:
-            raise TypeError(f"{name} has dtype {value.dtype}; it must be x1's {x1.dtype}.")
+            raise RuntimeError(f"{name} has dtype {value.dtype}; it must be x1's {x1.dtype}.")
         if value.shape != (hidden,):
-            raise ValueError(f"{name} has shape {tuple(value.shape)}; it must be 1-D of "
+            raise RuntimeError(f"{name} has shape {tuple(value.shape)}; it must be 1-D of "
                              f"x1's last dim ({hidden},).")
     if y_dtype is not None and y_dtype != torch.int8:
         if y_dtype == getattr(torch, "quint4x2", None):
             raise NotImplementedError("y_dtype=torch.quint4x2 (int4 output) is not modelled "
                                       "by the reference torch_npu.")
-        raise TypeError(f"y_dtype must be None, torch.int8 or torch.quint4x2, got {y_dtype}.")
+        raise RuntimeError(f"y_dtype must be None, torch.int8 or torch.quint4x2, got {y_dtype}.")
     mask = list(output_mask)
     if mask:
         if len(mask) != 2 or not all(isinstance(m, bool) for m in mask):
-            raise ValueError(f"output_mask must be empty or two bools, got {output_mask!r}.")
+            raise RuntimeError(f"output_mask must be empty or two bools, got {output_mask!r}.")
         if not any(mask):
-            raise ValueError("output_mask[0] and output_mask[1] cannot both be False.")
+            raise RuntimeError("output_mask[0] and output_mask[1] cannot both be False.")
         if smooth_scale1 is not None and not mask[0]:
-            raise ValueError("smooth_scale1 is given, so output_mask[0] must be True.")
+            raise RuntimeError("smooth_scale1 is given, so output_mask[0] must be True.")
         if smooth_scale2 is not None and not mask[1]:
-            raise ValueError("smooth_scale2 is given, so output_mask[1] must be True.")
+            raise RuntimeError("smooth_scale2 is given, so output_mask[1] must be True.")
         first, second = mask
     else:
         if smooth_scale2 is not None and smooth_scale1 is None:
@@ -294,7 +295,7 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None)
     _require_tensor("x", x)
     _require_half_dtype("x", x)
     if not 2 <= x.dim() <= 8:
-        raise ValueError(f"x must have more than 1 dim (2 to 8), got {x.dim()}.")
+        raise RuntimeError(f"x must have more than 1 dim (2 to 8), got {x.dim()}.")
     if group_index is not None:
         raise NotImplementedError("group_index (the MoE case) is not modelled by the "
                                   "reference torch_npu.")
@@ -302,13 +303,13 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None)
         if dst_type == getattr(torch, "quint4x2", None):
             raise NotImplementedError("dst_type=torch.quint4x2 is not modelled by the "
                                       "reference torch_npu.")
-        raise TypeError(f"dst_type must be None, torch.int8 or torch.quint4x2, got "
+        raise RuntimeError(f"dst_type must be None, torch.int8 or torch.quint4x2, got "
                         f"{dst_type}.")
     values = x.float()
     if smooth_scales is not None:
         _require_tensor("smooth_scales", smooth_scales)
         if smooth_scales.dtype != x.dtype or smooth_scales.shape != (x.shape[-1],):
-            raise ValueError(f"smooth_scales must be 1-D ({x.shape[-1]},) of x's dtype "
+            raise RuntimeError(f"smooth_scales must be 1-D ({x.shape[-1]},) of x's dtype "
                              f"{x.dtype}; got {smooth_scales.dtype} "
                              f"{tuple(smooth_scales.shape)}.")
         values = values * smooth_scales.float()
@@ -349,19 +350,19 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
         if torch.int32 in (x1.dtype, x2.dtype):
             raise NotImplementedError("int32 (packed int4) x1/x2 are not modelled by the "
                                       "reference torch_npu.")
-        raise TypeError(f"x1 and x2 must be int8, got {x1.dtype} and {x2.dtype}.")
+        raise RuntimeError(f"x1 and x2 must be int8, got {x1.dtype} and {x2.dtype}.")
     if x1.dim() != 2 or x2.dim() != 2:
         if 2 <= x1.dim() <= 6 and 2 <= x2.dim() <= 6:
             raise NotImplementedError("batched (3-6 dim) x1/x2 are not modelled by the "
                                       "reference torch_npu.")
-        raise ValueError(f"x1 and x2 must have 2 to 6 dims, got {x1.dim()} and {x2.dim()}.")
+        raise RuntimeError(f"x1 and x2 must have 2 to 6 dims, got {x1.dim()} and {x2.dim()}.")
     m, k = x1.shape
     if x2.shape[0] != k:
-        raise ValueError(f"x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} do not multiply: "
+        raise RuntimeError(f"x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} do not multiply: "
                          "x2 must be (k, n).")
     n = x2.shape[1]
     if k > _MATMUL_MAX_LAST_DIM or n > _MATMUL_MAX_LAST_DIM:
-        raise ValueError(f"the last dims of x1 and x2 ({k}, {n}) must not exceed "
+        raise RuntimeError(f"the last dims of x1 and x2 ({k}, {n}) must not exceed "
                          f"{_MATMUL_MAX_LAST_DIM}.")
     for name, value in (("x1", x1), ("x2", x2), ("scale", scale)):
         _require_not_empty(name, value)
@@ -371,10 +372,10 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
         if output_dtype in (None, torch.int8, torch.int32):
             raise NotImplementedError(f"output_dtype={output_dtype} (int8/int32 output) is "
                                       "not modelled by the reference torch_npu.")
-        raise TypeError(f"output_dtype must be int8, float16, bfloat16 or int32, got "
+        raise RuntimeError(f"output_dtype must be int8, float16, bfloat16 or int32, got "
                         f"{output_dtype}.")
     if offset is not None:
-        raise ValueError("offset applies to int8 output only; with float16/bfloat16 output "
+        raise RuntimeError("offset applies to int8 output only; with float16/bfloat16 output "
                          "it must be None.")
     if scale.dtype == torch.int64:
         raise NotImplementedError("int64 scales (npu_trans_quant_param) are not modelled by "
@@ -382,14 +383,14 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     allowed_scale = (torch.float32, torch.bfloat16) if output_dtype == torch.bfloat16 else (
         torch.float32,)
     if scale.dtype not in allowed_scale:
-        raise TypeError(f"scale has dtype {scale.dtype}; with output_dtype={output_dtype} "
+        raise RuntimeError(f"scale has dtype {scale.dtype}; with output_dtype={output_dtype} "
                         f"it must be one of {allowed_scale}.")
     if scale.dim() != 1 or scale.shape[0] not in (1, n):
-        raise ValueError(f"scale must be 1-D (1,) or (n,)=({n},), got {tuple(scale.shape)}.")
+        raise RuntimeError(f"scale must be 1-D (1,) or (n,)=({n},), got {tuple(scale.shape)}.")
     if pertoken_scale is not None:
         _require_tensor("pertoken_scale", pertoken_scale)
         if pertoken_scale.dtype != torch.float32 or pertoken_scale.shape != (m,):
-            raise ValueError(f"pertoken_scale must be float32 (m,)=({m},), got "
+            raise RuntimeError(f"pertoken_scale must be float32 (m,)=({m},), got "
                              f"{pertoken_scale.dtype} {tuple(pertoken_scale.shape)}.")
     if bias is not None:
         _require_tensor("bias", bias)
@@ -398,10 +399,10 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
         else:
             allowed_bias = (torch.int32, torch.bfloat16, torch.float32)
         if bias.dtype not in allowed_bias:
-            raise TypeError(f"bias has dtype {bias.dtype}; here it must be one of "
+            raise RuntimeError(f"bias has dtype {bias.dtype}; here it must be one of "
                             f"{allowed_bias}.")
         if bias.shape != (n,):
-            raise ValueError(f"bias must be (n,)=({n},) for 2-D inputs, got "
+            raise RuntimeError(f"bias must be (n,)=({n},) for 2-D inputs, got "
                              f"{tuple(bias.shape)}.")
 
     acc = (x1.to(torch.int32) @ x2.to(torch.int32)).double()
@@ -452,27 +453,27 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
         _require_tensor(name, value)
         _require_float_dtype(name, value)
         if value.dim() not in (3, 4):
-            raise ValueError(f"{name} must have 3 or 4 dims, got {value.dim()}.")
+            raise RuntimeError(f"{name} must have 3 or 4 dims, got {value.dim()}.")
         _require_not_empty(name, value)
     if rotate is not None:
         raise NotImplementedError("rotate (a rotation matrix) is not modelled by the "
                                   "reference torch_npu.")
     if rotary_mode not in ("half", "interleave"):
-        raise ValueError(f"rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}.")
+        raise RuntimeError(f"rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}.")
     d = input.shape[-1]
     if d % 2 or d >= _ROTARY_MUL_MAX_D:
-        raise ValueError(f"input's last dim D={d} must be even and below {_ROTARY_MUL_MAX_D}.")
+        raise RuntimeError(f"input's last dim D={d} must be even and below {_ROTARY_MUL_MAX_D}.")
     if input.dim() == 3 and input.shape[1] >= _ROTARY_MUL_MAX_HEADS:
-        raise ValueError(f"N={input.shape[1]} of a TND input must be below "
+        raise RuntimeError(f"N={input.shape[1]} of a TND input must be below "
                          f"{_ROTARY_MUL_MAX_HEADS}.")
     for name, value in (("r1", r1), ("r2", r2)):
         if value.dim() != input.dim() or value.shape[-1] != d or any(
                 size not in (1, full) for size, full in zip(value.shape[:-1],
                                                             input.shape[:-1], strict=True)):
-            raise ValueError(f"{name} has shape {tuple(value.shape)}; it must broadcast to "
+            raise RuntimeError(f"{name} has shape {tuple(value.shape)}; it must broadcast to "
                              f"input's {tuple(input.shape)} with the same last dim.")
         if rotary_mode == "interleave" and sum(size > 1 for size in value.shape[:-1]) > 1:
-            raise ValueError(f"{name} has shape {tuple(value.shape)}; in interleave mode only "
+            raise RuntimeError(f"{name} has shape {tuple(value.shape)}; in interleave mode only "
                              "one dim besides D may exceed 1 (11SD, 1S1D, S11D or T1D).")
     x = input.float()
     rotated = _rotate_half(x) if rotary_mode == "half" else _rotate_interleaved(x)
@@ -505,30 +506,30 @@ def npu_apply_rotary_pos_emb(query, key, cos, sin, *, layout="BSND", rotary_mode
         _require_float_dtype(name, value)
         _require_not_empty(name, value)
     if layout not in ("BSND", "TND"):
-        raise ValueError(f"layout={layout!r}: Atlas A2/A3 support 'BSND' and 'TND'.")
+        raise RuntimeError(f"layout={layout!r}: Atlas A2/A3 support 'BSND' and 'TND'.")
     if rotary_mode != "half":
-        raise ValueError(f"rotary_mode={rotary_mode!r}: Atlas A2/A3 support 'half' only.")
+        raise RuntimeError(f"rotary_mode={rotary_mode!r}: Atlas A2/A3 support 'half' only.")
     dims = 4 if layout == "BSND" else 3
     lead = dims - 2  # (b, s) or (t,)
     for name, value in (("query", query), ("key", key), ("cos", cos), ("sin", sin)):
         if value.dim() != dims:
-            raise ValueError(f"{name} must have {dims} dims for layout {layout!r}, got "
+            raise RuntimeError(f"{name} must have {dims} dims for layout {layout!r}, got "
                              f"{value.dim()}.")
         if value.shape[-1] not in _APPLY_HEAD_SIZES:
-            raise ValueError(f"{name}'s last dim D={value.shape[-1]} must be 64 or 128.")
+            raise RuntimeError(f"{name}'s last dim D={value.shape[-1]} must be 64 or 128.")
         if value.dtype != query.dtype:
-            raise TypeError(f"{name} has dtype {value.dtype} but query has {query.dtype}; "
+            raise RuntimeError(f"{name} has dtype {value.dtype} but query has {query.dtype}; "
                             "the four inputs must share one dtype.")
         if value.shape[:lead] != query.shape[:lead]:
-            raise ValueError(f"{name}'s leading dims {tuple(value.shape[:lead])} must equal "
+            raise RuntimeError(f"{name}'s leading dims {tuple(value.shape[:lead])} must equal "
                              f"query's {tuple(query.shape[:lead])}.")
     if key.shape[-1] != query.shape[-1] or cos.shape != sin.shape:
-        raise ValueError("query and key must share D, and cos and sin one shape.")
+        raise RuntimeError("query and key must share D, and cos and sin one shape.")
     if cos.shape[-1] != query.shape[-1]:
         raise NotImplementedError("cos/sin with a D other than query's are not modelled by "
                                   "the reference torch_npu.")
     if cos.shape[-2] != 1:
-        raise ValueError(f"cos/sin must have N=1, got shape {tuple(cos.shape)}.")
+        raise RuntimeError(f"cos/sin must have N=1, got shape {tuple(cos.shape)}.")
     c, s = cos.float(), sin.float()
     for x in (query, key):
         x32 = x.float()

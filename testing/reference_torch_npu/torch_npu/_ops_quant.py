@@ -3,10 +3,10 @@ computed with plain torch on CPU tensors.
 
 The rules of ``torch_npu._ops`` hold: each function follows its page under Ascend/op-plugin
 ``docs/context/`` (argument names, shapes, dtype tables) for the Atlas A2/A3 rows (the
-modelled machine is an Ascend 910B), raises ``TypeError``/``ValueError`` on what the page
-rules out and ``NotImplementedError`` on what it documents but the reference does not
-model. Arithmetic is float32 (integer products exact), cast once to the output dtype;
-quantized values round half to even (``torch.round``) and saturate.
+modelled machine is an Ascend 910B), raises ``RuntimeError`` on what the page rules out
+and ``NotImplementedError`` on what it documents but the reference does not model (the
+errors of ``torch_npu._ops``). Arithmetic is float32 (integer products exact), cast once
+to the output dtype; quantized values round half to even (``torch.round``) and saturate.
 
 int4 packing (``npu_convert_weight_to_int4pack``, ``npu_quantize`` to ``quint4x2``): eight
 int4 values per int32 along the last dim, value ``8w + j`` in bits ``4j..4j+3`` of word
@@ -32,12 +32,12 @@ def _require_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, 
                    why: str = "") -> None:
     if tensor.dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"{name} has dtype {tensor.dtype}; {why or 'supported'}: {names}.")
+        raise RuntimeError(f"{name} has dtype {tensor.dtype}; {why or 'supported'}: {names}.")
 
 
 def _require_not_empty(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
+        raise RuntimeError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
                          "not supported.")
 
 
@@ -45,7 +45,7 @@ def _require_int(name: str, value, allowed=None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
     if allowed is not None and value not in allowed:
-        raise ValueError(f"{name}={value} is not supported; use one of {sorted(allowed)}.")
+        raise RuntimeError(f"{name}={value} is not supported; use one of {sorted(allowed)}.")
     return value
 
 
@@ -75,13 +75,13 @@ def _quantize_axis(axis: int, dims: int, div_mode: bool) -> int:
     axis = _require_int("axis", axis)
     if not div_mode:
         if axis < -2 or axis >= dims:
-            raise ValueError(f"axis={axis}: with div_mode=False it must lie in [-2, "
+            raise RuntimeError(f"axis={axis}: with div_mode=False it must lie in [-2, "
                              f"{dims - 1}] for a {dims}-dim input.")
         if axis == -2 and dims < 2:
-            raise ValueError("axis=-2 needs an input of at least 2 dims.")
+            raise RuntimeError("axis=-2 needs an input of at least 2 dims.")
         return dims - 2 if axis == -2 else dims - 1
     if not -dims <= axis < dims:
-        raise ValueError(f"axis={axis} is out of range for a {dims}-dim input.")
+        raise RuntimeError(f"axis={axis} is out of range for a {dims}-dim input.")
     return axis % dims
 
 
@@ -91,7 +91,7 @@ def _broadcast_scales(name: str, scales: torch.Tensor, input: torch.Tensor, dim:
     size = input.shape[dim]
     if scales.dim() == 1:
         if scales.shape[0] not in (1, size):
-            raise ValueError(f"{name} has shape {tuple(scales.shape)}; a 1-D {name} must "
+            raise RuntimeError(f"{name} has shape {tuple(scales.shape)}; a 1-D {name} must "
                              f"have 1 or input.shape[{dim}]={size} values.")
         shape = [1] * input.dim()
         shape[dim] = scales.shape[0]
@@ -102,7 +102,7 @@ def _broadcast_scales(name: str, scales: torch.Tensor, input: torch.Tensor, dim:
     if scales.dim() != input.dim() or any(
             s != 1 for i, s in enumerate(scales.shape) if i != dim) or scales.shape[dim] not in (
             1, size):
-        raise ValueError(f"{name} has shape {tuple(scales.shape)}; a multi-dim {name} must "
+        raise RuntimeError(f"{name} has shape {tuple(scales.shape)}; a multi-dim {name} must "
                          f"have input's {input.dim()} dims, all 1 except dim {dim} (1 or "
                          f"{size}).")
     return scales
@@ -140,10 +140,10 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
         raise NotImplementedError(f"dtype={dtype} output is not modelled by the reference "
                                   "torch_npu; use torch.qint8 or torch.quint4x2.")
     if dtype not in (torch.qint8, torch.quint4x2):
-        raise TypeError(f"dtype must be torch.qint8, torch.quint8, torch.int32 or "
+        raise RuntimeError(f"dtype must be torch.qint8, torch.quint8, torch.int32 or "
                         f"torch.quint4x2, got {dtype!r}.")
     if dtype == torch.quint4x2 and div_mode:
-        raise ValueError("dtype=torch.quint4x2 needs div_mode=False.")
+        raise RuntimeError("dtype=torch.quint4x2 needs div_mode=False.")
     dim = _quantize_axis(axis, input.dim(), div_mode)
     if div_mode:
         _require_dtype("scales", scales, (torch.float32, torch.bfloat16),
@@ -158,7 +158,7 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
         if zero_points is not None:
             _require_tensor("zero_points", zero_points)
             if zero_points.shape != scales.shape or zero_points.dtype != scales.dtype:
-                raise ValueError(f"zero_points ({zero_points.dtype} "
+                raise RuntimeError(f"zero_points ({zero_points.dtype} "
                                  f"{tuple(zero_points.shape)}) must have scales' shape and "
                                  f"dtype ({scales.dtype} {tuple(scales.shape)}) with "
                                  "div_mode=False.")
@@ -171,7 +171,7 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
     if dtype == torch.qint8:
         return rounded.clamp(_INT8_MIN, _INT8_MAX).to(torch.int8)
     if input.shape[-1] % 8:
-        raise ValueError(f"dtype=torch.quint4x2 packs 8 values per int32: input's last dim "
+        raise RuntimeError(f"dtype=torch.quint4x2 packs 8 values per int32: input's last dim "
                          f"{input.shape[-1]} must be a multiple of 8.")
     return pack_int4_words(rounded.clamp(_INT4_MIN, _INT4_MAX))
 
@@ -190,16 +190,16 @@ def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
     _require_tensor("weight", weight)
     _require_dtype("weight", weight, (torch.int32,))
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D ((k, n) or (n, k)), got {weight.dim()} dims.")
+        raise RuntimeError(f"weight must be 2-D ((k, n) or (n, k)), got {weight.dim()} dims.")
     _require_not_empty("weight", weight)
     if not weight.is_contiguous():
-        raise ValueError("weight is not contiguous; non-contiguous tensors are not supported.")
+        raise RuntimeError("weight is not contiguous; non-contiguous tensors are not supported.")
     if weight.shape[-1] % 8:
-        raise ValueError(f"weight's last dim {weight.shape[-1]} must be a multiple of 8.")
+        raise RuntimeError(f"weight's last dim {weight.shape[-1]} must be a multiple of 8.")
     _require_int("inner_k_tiles", inner_k_tiles, {0})
     low, high = int(weight.min()), int(weight.max())
     if low < _INT4_MIN or high > _INT4_MAX:
-        raise ValueError(f"weight holds values in [{low}, {high}]; int4 values must lie in "
+        raise RuntimeError(f"weight holds values in [{low}, {high}]; int4 values must lie in "
                          f"[{_INT4_MIN}, {_INT4_MAX}].")
     return pack_int4_words(weight)
 
@@ -217,7 +217,7 @@ def _unpacked_weight(weight: torch.Tensor, k: int) -> torch.Tensor:
         return unpack_int4_words(weight)
     if weight.shape[0] * 8 == k and weight.t().is_contiguous():
         return unpack_int4_words(weight.t()).t()
-    raise ValueError(f"an int32 (packed int4) weight of shape {tuple(weight.shape)} does not "
+    raise RuntimeError(f"an int32 (packed int4) weight of shape {tuple(weight.shape)} does not "
                      f"fit K={k}: pass (K, N/8) contiguous, or (K/8, N) transposed from a "
                      "contiguous (N, K/8).")
 
@@ -254,7 +254,7 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
         _require_not_empty(name, value)
     _require_dtype("x", x, _HALF)
     if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"x and weight must be 2-D ((M, K), (K, N)), got {x.dim()} and "
+        raise RuntimeError(f"x and weight must be 2-D ((M, K), (K, N)), got {x.dim()} and "
                          f"{weight.dim()} dims.")
     _require_dtype("weight", weight, (torch.int8, torch.int32))
     if quant_scale is not None or quant_offset is not None:
@@ -265,28 +265,28 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
     m, k = x.shape
     w = _unpacked_weight(weight, k)
     if w.shape[0] != k:
-        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
+        raise RuntimeError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
                          "multiply: weight must be (K, N).")
     n = w.shape[1]
     if not (1 <= k <= _MAX_INNER and 1 <= n <= _MAX_INNER):
-        raise ValueError(f"K={k} and N={n} must lie in [1, {_MAX_INNER}].")
+        raise RuntimeError(f"K={k} and N={n} must lie in [1, {_MAX_INNER}].")
     if antiquant_scale.dtype == torch.int64:
         raise NotImplementedError("int64 antiquant_scale (npu_trans_quant_param) is not "
                                   "modelled by the reference torch_npu.")
     if antiquant_scale.dtype != x.dtype:
-        raise TypeError(f"antiquant_scale has dtype {antiquant_scale.dtype}; it must be x's "
+        raise RuntimeError(f"antiquant_scale has dtype {antiquant_scale.dtype}; it must be x's "
                         f"{x.dtype}.")
     shape = tuple(antiquant_scale.shape)
     if group_size:
         if group_size % 32 or not 32 <= group_size <= k - 1:
-            raise ValueError(f"antiquant_group_size={group_size} must be a multiple of 32 in "
+            raise RuntimeError(f"antiquant_group_size={group_size} must be a multiple of 32 in "
                              f"[32, K-1={k - 1}].")
         groups = -(-k // group_size)
         if shape != (groups, n):
-            raise ValueError(f"per-group antiquant_scale must be (ceil(K/group)={groups}, "
+            raise RuntimeError(f"per-group antiquant_scale must be (ceil(K/group)={groups}, "
                              f"N={n}), got {shape}.")
     elif shape not in ((1,), (1, 1), (n,), (1, n)):
-        raise ValueError(f"antiquant_scale has shape {shape}; use (1,)/(1, 1) per tensor or "
+        raise RuntimeError(f"antiquant_scale has shape {shape}; use (1,)/(1, 1) per tensor or "
                          f"({n},)/(1, {n}) per channel (or set antiquant_group_size).")
     if antiquant_offset is not None:
         _require_tensor("antiquant_offset", antiquant_offset)
@@ -295,19 +295,19 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
                                       "is not modelled by the reference torch_npu.")
         if antiquant_offset.dtype != antiquant_scale.dtype or tuple(
                 antiquant_offset.shape) != shape:
-            raise ValueError(f"antiquant_offset ({antiquant_offset.dtype} "
+            raise RuntimeError(f"antiquant_offset ({antiquant_offset.dtype} "
                              f"{tuple(antiquant_offset.shape)}) must have antiquant_scale's "
                              f"dtype and shape ({antiquant_scale.dtype} {shape}).")
     if bias is not None:
         _require_tensor("bias", bias)
         want = torch.float32 if x.dtype == torch.bfloat16 else torch.float16
         if bias.dtype != want:
-            raise TypeError(f"bias has dtype {bias.dtype}; with {x.dtype} x it must be "
+            raise RuntimeError(f"bias has dtype {bias.dtype}; with {x.dtype} x it must be "
                             f"{want}.")
         if tuple(bias.shape) not in ((n,), (1, n)):
-            raise ValueError(f"bias must be ({n},) or (1, {n}), got {tuple(bias.shape)}.")
+            raise RuntimeError(f"bias must be ({n},) or (1, {n}), got {tuple(bias.shape)}.")
         if not bias.is_contiguous():
-            raise ValueError("bias is not contiguous; non-contiguous bias is not supported.")
+            raise RuntimeError("bias is not contiguous; non-contiguous bias is not supported.")
 
     values = w.float()
     if group_size:
@@ -344,27 +344,27 @@ def _as_list(name: str, value) -> list:
 def _group_bounds(group_list: torch.Tensor, list_type: int, rows: int,
                   groups: int) -> list[tuple[int, int]]:
     if group_list.dtype != torch.int64 or group_list.dim() != 1:
-        raise TypeError(f"group_list must be a 1-D int64 tensor, got {group_list.dtype} "
+        raise RuntimeError(f"group_list must be a 1-D int64 tensor, got {group_list.dtype} "
                         f"{tuple(group_list.shape)}.")
     if group_list.shape[0] != groups:
-        raise ValueError(f"group_list has {group_list.shape[0]} entries; it must have one per "
+        raise RuntimeError(f"group_list has {group_list.shape[0]} entries; it must have one per "
                          f"weight group ({groups}).")
     values = [int(v) for v in group_list.tolist()]
     if any(v < 0 for v in values):
-        raise ValueError(f"group_list holds negative values {values}.")
+        raise RuntimeError(f"group_list holds negative values {values}.")
     if list_type == 0:
         if any(b < a for a, b in zip(values, values[1:], strict=False)):
-            raise ValueError(f"group_list_type=0 takes a non-decreasing cumsum, got {values}.")
+            raise RuntimeError(f"group_list_type=0 takes a non-decreasing cumsum, got {values}.")
         ends = values
     else:
         if len(values) == 1:
-            raise ValueError("group_list_type=1 needs more than one group.")
+            raise RuntimeError("group_list_type=1 needs more than one group.")
         ends, total = [], 0
         for v in values:
             total += v
             ends.append(total)
     if ends[-1] != rows:
-        raise ValueError(f"group_list covers {ends[-1]} rows but x has {rows}.")
+        raise RuntimeError(f"group_list covers {ends[-1]} rows but x has {rows}.")
     starts = [0] + ends[:-1]
     return list(zip(starts, ends, strict=True))
 
@@ -406,12 +406,12 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     """
     xs, ws = _as_list("x", x), _as_list("weight", weight)
     if not xs or not ws:
-        raise ValueError("x and weight must be non-empty lists of tensors.")
+        raise RuntimeError("x and weight must be non-empty lists of tensors.")
     for name, value in (("offset", offset), ("activation_input", activation_input),
                         ("activation_quant_scale", activation_quant_scale),
                         ("activation_quant_offset", activation_quant_offset)):
         if value is not None:
-            raise ValueError(f"{name} only takes None on this product.")
+            raise RuntimeError(f"{name} only takes None on this product.")
     if antiquant_scale is not None or antiquant_offset is not None:
         raise NotImplementedError("antiquant (fake-quantized weight) grouped matmuls are not "
                                   "modelled by the reference torch_npu.")
@@ -426,7 +426,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     if group_type != 0:
         if group_type == -1:
             raise NotImplementedError("group_type=-1 (no grouping) is not modelled.")
-        raise ValueError(f"group_type={group_type!r}: A2/A3 support -1 and 0.")
+        raise RuntimeError(f"group_type={group_type!r}: A2/A3 support -1 and 0.")
     _require_int("group_list_type", group_list_type, {0, 1, 2})
     if group_list_type == 2:
         raise NotImplementedError("group_list_type=2 ([E, 2] pairs) is not modelled.")
@@ -437,40 +437,40 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     if len(xs) != 1:
         raise NotImplementedError("several x tensors (multi-multi forms) are not modelled.")
     if len(ws) > _GMM_MAX_LIST:
-        raise ValueError(f"weight holds {len(ws)} tensors; the list is at most "
+        raise RuntimeError(f"weight holds {len(ws)} tensors; the list is at most "
                          f"{_GMM_MAX_LIST} long.")
     xt = xs[0]
     if xt.dim() != 2:
-        raise ValueError(f"x[0] must be 2-D (M, K) here, got {xt.dim()} dims.")
+        raise RuntimeError(f"x[0] must be 2-D (M, K) here, got {xt.dim()} dims.")
     if not xt.is_contiguous():
-        raise ValueError("x[0] is not contiguous; x does not support transposition.")
+        raise RuntimeError("x[0] is not contiguous; x does not support transposition.")
     single = len(ws) == 1 and ws[0].dim() == 3
     if single:
         per_group = list(ws[0].unbind(0))
     else:
         if any(w.dim() != 2 for w in ws):
-            raise ValueError("a multi-tensor weight takes 2-D (K, N) tensors; a single "
+            raise RuntimeError("a multi-tensor weight takes 2-D (K, N) tensors; a single "
                              "weight tensor is (E, K, N).")
         if group_list_type == 1 and group_list.shape[0] > _GMM_MAX_LIST:
-            raise ValueError(f"group_list_type=1 with a multi-tensor weight takes at most "
+            raise RuntimeError(f"group_list_type=1 with a multi-tensor weight takes at most "
                              f"{_GMM_MAX_LIST} groups.")
         per_group = ws
     groups = len(per_group)
     if groups > _GMM_MAX_GROUPS:
-        raise ValueError(f"{groups} groups exceed the limit of {_GMM_MAX_GROUPS}.")
+        raise RuntimeError(f"{groups} groups exceed the limit of {_GMM_MAX_GROUPS}.")
     m, k = xt.shape
     n = per_group[0].shape[1]
     for i, w in enumerate(per_group):
         if w.dtype != per_group[0].dtype:
-            raise TypeError("the weight tensors must share one dtype.")
+            raise RuntimeError("the weight tensors must share one dtype.")
         if tuple(w.shape) != (k, n):
-            raise ValueError(f"weight group {i} has shape {tuple(w.shape)}; every group must "
+            raise RuntimeError(f"weight group {i} has shape {tuple(w.shape)}; every group must "
                              f"be (K={k}, N={n}).")
     if k >= _MAX_INNER + 1 or n >= _MAX_INNER + 1:
-        raise ValueError(f"the last dims of x and weight ({k}, {n}) must stay below 65536.")
+        raise RuntimeError(f"the last dims of x and weight ({k}, {n}) must stay below 65536.")
     bounds = _group_bounds(group_list, group_list_type, m, groups)
     if xt.dtype != per_group[0].dtype:
-        raise TypeError(f"x has dtype {xt.dtype} but weight {per_group[0].dtype}; the "
+        raise RuntimeError(f"x has dtype {xt.dtype} but weight {per_group[0].dtype}; the "
                         "modelled rows take equal dtypes.")
 
     def per_group_tensors(name: str, values: list, dtype_ok, length: int) -> list:
@@ -478,12 +478,12 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
             return []
         if single:
             if len(values) != 1 or tuple(values[0].shape) != (groups, length):
-                raise ValueError(f"{name} with a single (E, K, N) weight must be one "
+                raise RuntimeError(f"{name} with a single (E, K, N) weight must be one "
                                  f"({groups}, {length}) tensor.")
             tensors = list(values[0].unbind(0))
         else:
             if len(values) != groups or any(tuple(t.shape) != (length,) for t in values):
-                raise ValueError(f"{name} must hold one ({length},) tensor per weight.")
+                raise RuntimeError(f"{name} must hold one ({length},) tensor per weight.")
             tensors = values
         for t in tensors:
             dtype_ok(name, t)
@@ -495,9 +495,9 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
         if xt.dtype == torch.float32:
             raise NotImplementedError("float32 grouped matmuls are not modelled.")
         if scales or tokens:
-            raise ValueError("scale and per_token_scale belong to int8 inputs.")
+            raise RuntimeError("scale and per_token_scale belong to int8 inputs.")
         if output_dtype not in (None, xt.dtype):
-            raise TypeError(f"output_dtype must be None or x's {xt.dtype}, got "
+            raise RuntimeError(f"output_dtype must be None or x's {xt.dtype}, got "
                             f"{output_dtype}.")
         bias_dtype = torch.float16 if xt.dtype == torch.float16 else torch.float32
 
@@ -518,7 +518,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     if xt.dtype == torch.int32:
         raise NotImplementedError("int4 (int32-packed) grouped matmuls are not modelled.")
     if xt.dtype != torch.int8:
-        raise TypeError(f"x has dtype {xt.dtype}; supported: float16, bfloat16, float32, "
+        raise RuntimeError(f"x has dtype {xt.dtype}; supported: float16, bfloat16, float32, "
                         "int8 and int4.")
     if not scales:
         raise NotImplementedError("int8 output without scale (int32/int8 results) is not "
@@ -527,7 +527,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
         if output_dtype in (None, torch.int8, torch.int32):
             raise NotImplementedError(f"output_dtype={output_dtype} with int8 inputs is not "
                                       "modelled; use bfloat16 or float16.")
-        raise TypeError(f"output_dtype {output_dtype} is not supported with int8 inputs.")
+        raise RuntimeError(f"output_dtype {output_dtype} is not supported with int8 inputs.")
     scale_dtype = torch.bfloat16 if output_dtype == torch.bfloat16 else torch.float32
 
     def scale_ok(name, t):
@@ -544,7 +544,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     if tokens:
         if len(tokens) != 1 or tokens[0].dtype != torch.float32 or tuple(
                 tokens[0].shape) != (m,):
-            raise ValueError(f"per_token_scale must be one float32 ({m},) tensor, got "
+            raise RuntimeError(f"per_token_scale must be one float32 ({m},) tensor, got "
                              f"{[(t.dtype, tuple(t.shape)) for t in tokens]}.")
         token_scale = tokens[0].reshape(m, 1)
     out = torch.zeros(m, n, dtype=torch.float32)

@@ -1,9 +1,10 @@
 """Fused MoE gating and top-k / top-p ops of torch_npu, computed with plain torch on CPU.
 
 Same rules as ``torch_npu._ops``: each function follows its Ascend/op-plugin documentation
-page (argument names, shapes, dtypes, value ranges), raises ``TypeError`` / ``ValueError``
-on what the page rules out and ``NotImplementedError`` on what the reference does not
-model. Arithmetic is float32, results are cast once to the documented output dtype.
+page (argument names, shapes, dtypes, value ranges), raises ``RuntimeError`` on what the
+page rules out and ``NotImplementedError`` on what the reference does not model (the
+errors of ``torch_npu._ops``). Arithmetic is float32, results are cast once to the
+documented output dtype.
 
 Where a page leaves the order of equal scores open, the reference puts the lower index
 first (a stable sort); the real kernels may order such ties differently.
@@ -28,7 +29,7 @@ def _require_int(name: str, value: object) -> int:
 
 def _require_not_empty(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
+        raise RuntimeError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
                          "not supported.")
 
 
@@ -63,7 +64,7 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
             "is written for 2-D)."
         )
     if x.dim() != 2:
-        raise ValueError(f"x must be 2-D or 3-D, got {x.dim()} dims.")
+        raise RuntimeError(f"x must be 2-D or 3-D, got {x.dim()} dims.")
     _require_not_empty("x", x)
     if finished is not None:
         raise NotImplementedError(
@@ -73,7 +74,7 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
     k = _require_int("k", k)
     experts = x.shape[-1]
     if not 0 < k <= min(experts, _GATING_SOFTMAX_MAX_K):
-        raise ValueError(f"k={k} is out of range; it must satisfy 0 < k <= {experts} (x's "
+        raise RuntimeError(f"k={k} is out of range; it must satisfy 0 < k <= {experts} (x's "
                          f"last dim) and k <= {_GATING_SOFTMAX_MAX_K}.")
     # The real op's test golden ranks the softmax after casting it to x's dtype, the lower
     # expert first among equal scores, and compares expert_idx exactly: in float16 many
@@ -116,11 +117,11 @@ def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_sel
     _require_tensor("x", x)
     _require_float_dtype("x", x)
     if x.dim() != 2:
-        raise ValueError(f"x must be 2-D, got {x.dim()} dims.")
+        raise RuntimeError(f"x must be 2-D, got {x.dim()} dims.")
     _require_not_empty("x", x)
     experts = x.shape[1]
     if experts > _MAX_EXPERTS:
-        raise ValueError(f"x has {experts} experts; at most {_MAX_EXPERTS} are supported.")
+        raise RuntimeError(f"x has {experts} experts; at most {_MAX_EXPERTS} are supported.")
     k = _require_int("k", k)
     k_group = _require_int("k_group", k_group)
     group_count = _require_int("group_count", group_count)
@@ -133,34 +134,34 @@ def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_sel
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a float, got {type(value).__name__}.")
     if group_count <= 0 or experts % group_count:
-        raise ValueError(f"group_count={group_count} must be > 0 and divide x's {experts} "
+        raise RuntimeError(f"group_count={group_count} must be > 0 and divide x's {experts} "
                          "experts.")
     group_size = experts // group_count
     if group_size <= 2:
-        raise ValueError(f"experts / group_count = {group_size}; it must be greater than 2.")
+        raise RuntimeError(f"experts / group_count = {group_size}; it must be greater than 2.")
     aligned = -(-group_size // 32) * 32
     if aligned * group_count > _MAX_EXPERTS:
-        raise ValueError(f"the group size rounded up to 32 ({aligned}) times group_count "
+        raise RuntimeError(f"the group size rounded up to 32 ({aligned}) times group_count "
                          f"({group_count}) is {aligned * group_count}; it must be <= "
                          f"{_MAX_EXPERTS}.")
     if not 1 <= k_group <= group_count:
-        raise ValueError(f"k_group={k_group} must be in [1, group_count={group_count}].")
+        raise RuntimeError(f"k_group={k_group} must be in [1, group_count={group_count}].")
     if not 1 <= k <= group_size * k_group:
-        raise ValueError(f"k={k} must be in [1, experts / group_count * k_group = "
+        raise RuntimeError(f"k={k} must be in [1, experts / group_count * k_group = "
                          f"{group_size * k_group}].")
     if group_select_mode not in (0, 1):
-        raise ValueError(f"group_select_mode={group_select_mode}; use 0 (group maximum) or 1 "
+        raise RuntimeError(f"group_select_mode={group_select_mode}; use 0 (group maximum) or 1 "
                          "(sum of the group's top two).")
     if norm_type not in (0, 1):
-        raise ValueError(f"norm_type={norm_type}; use 0 (softmax) or 1 (sigmoid).")
+        raise RuntimeError(f"norm_type={norm_type}; use 0 (softmax) or 1 (sigmoid).")
     if renorm != 0:
         raise NotImplementedError(f"renorm={renorm}: torch_npu documents only renorm=0.")
     if bias is not None:
         _require_tensor("bias", bias)
         if bias.dtype != x.dtype:
-            raise TypeError(f"bias has dtype {bias.dtype} but x has {x.dtype}; they must match.")
+            raise RuntimeError(f"bias has dtype {bias.dtype} but x has {x.dtype}; they must match.")
         if tuple(bias.shape) != (experts,):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}; it must be ({experts},).")
+            raise RuntimeError(f"bias has shape {tuple(bias.shape)}; it must be ({experts},).")
 
     logits = x.float()
     norm_out = logits.sigmoid() if norm_type == 1 else logits.softmax(dim=-1)
@@ -203,25 +204,25 @@ def npu_top_k_top_p(logits, p, k):
     _require_tensor("logits", logits)
     _require_float_dtype("logits", logits)
     if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D, got {logits.dim()} dims.")
+        raise RuntimeError(f"logits must be 2-D, got {logits.dim()} dims.")
     _require_not_empty("logits", logits)
     batch, vocab = logits.shape
     _require_tensor("p", p)
     _require_tensor("k", k)
     if p.dtype != logits.dtype:
-        raise TypeError(f"p has dtype {p.dtype} but logits has {logits.dtype}; they must "
+        raise RuntimeError(f"p has dtype {p.dtype} but logits has {logits.dtype}; they must "
                         "match.")
     if k.dtype != torch.int32:
-        raise TypeError(f"k has dtype {k.dtype}; it must be int32.")
+        raise RuntimeError(f"k has dtype {k.dtype}; it must be int32.")
     for name, tensor in (("p", p), ("k", k)):
         if tuple(tensor.shape) != (batch,):
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; it must be ({batch},), "
+            raise RuntimeError(f"{name} has shape {tuple(tensor.shape)}; it must be ({batch},), "
                              "logits' first dim.")
     if ((p < 0) | (p > 1)).any():
-        raise ValueError(f"p holds {p[(p < 0) | (p > 1)][0].item()}; values must be in [0, 1].")
+        raise RuntimeError(f"p holds {p[(p < 0) | (p > 1)][0].item()}; values must be in [0, 1].")
     top = min(_TOP_K_TOP_P_MAX_K, vocab)
     if ((k < 1) | (k > top)).any():
-        raise ValueError(f"k holds {k[(k < 1) | (k > top)][0].item()}; values must be in "
+        raise RuntimeError(f"k holds {k[(k < 1) | (k > top)][0].item()}; values must be in "
                          f"[1, {_TOP_K_TOP_P_MAX_K}] and at most logits.size(1) = {vocab}.")
 
     ranked, order = logits.float().sort(dim=-1, stable=True)
