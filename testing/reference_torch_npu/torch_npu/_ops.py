@@ -52,7 +52,7 @@ def _require_dims(name: str, tensor: torch.Tensor, low: int) -> None:
 def _require_dense(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
         raise RuntimeError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
-                         "not supported.")
+                           "not supported.")
     if not tensor.is_contiguous():
         raise RuntimeError(f"{name} is not contiguous; non-contiguous tensors are not supported.")
 

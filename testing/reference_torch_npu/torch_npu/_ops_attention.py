@@ -41,7 +41,7 @@ _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 def _require_contiguous(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_contiguous():
         raise RuntimeError(f"{name} is not contiguous; the page rules out non-contiguous "
-                         "tensors.")
+                           "tensors.")
 
 
 def _require_int(name: str, value) -> int:
@@ -55,8 +55,8 @@ def _check_block_table(block_table, batch: int) -> None:
     if block_table.dtype != torch.int32 or block_table.dim() != 2 \
             or block_table.shape[0] != batch:
         raise RuntimeError(f"block_table has dtype {block_table.dtype} and shape "
-                         f"{tuple(block_table.shape)}; it must be int32 [B={batch}, "
-                         "max blocks per batch].")
+                           f"{tuple(block_table.shape)}; it must be int32 [B={batch}, "
+                           "max blocks per batch].")
 
 
 # --- npu_scatter_pa_kv_cache --------------------------------------------------------------
@@ -92,7 +92,7 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
                 "reference torch_npu does not model; pass cache_mode='Norm' with ND caches "
                 "of [num_blocks, block_size, num_head, head_size].")
         raise RuntimeError(f"cache_mode={cache_mode!r}: the page allows None, 'Norm' or "
-                         "'PA_NZ'.")
+                           "'PA_NZ'.")
     for name, extra in (("compress_lens", compress_lens),
                         ("compress_seq_offsets", compress_seq_offsets),
                         ("seq_lens", seq_lens)):
@@ -105,43 +105,43 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
         _require_contiguous(name, tensor)
     if key.dim() != 3 or value.dim() != 3:
         raise RuntimeError(f"key and value must be 3-D [tokens, num_head, head_size] in the "
-                         f"modelled scenario, got {tuple(key.shape)} and "
-                         f"{tuple(value.shape)}.")
+                           f"modelled scenario, got {tuple(key.shape)} and "
+                           f"{tuple(value.shape)}.")
     if key.shape[:2] != value.shape[:2]:
         raise RuntimeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree "
-                         "in their first two dims.")
+                           "in their first two dims.")
     for name, tensor in (("value", value), ("key_cache", key_cache),
                          ("value_cache", value_cache)):
         if tensor.dtype != key.dtype:
             raise RuntimeError(f"{name} has dtype {tensor.dtype} but key has {key.dtype}; the "
-                            "page requires identical dtypes.")
+                               "page requires identical dtypes.")
     for name, cache, source in (("key_cache", key_cache, key),
                                 ("value_cache", value_cache, value)):
         if cache.dim() != 4 or cache.shape[2:] != source.shape[1:]:
             raise RuntimeError(f"{name} has shape {tuple(cache.shape)}; with cache_mode='Norm' "
-                             "it must be [num_blocks, block_size, "
-                             f"{source.shape[1]}, {source.shape[2]}].")
+                               "it must be [num_blocks, block_size, "
+                               f"{source.shape[1]}, {source.shape[2]}].")
     if key_cache.shape[:2] != value_cache.shape[:2]:
         raise RuntimeError(f"key_cache {tuple(key_cache.shape)} and value_cache "
-                         f"{tuple(value_cache.shape)} must have equal num_blocks and "
-                         "block_size.")
+                           f"{tuple(value_cache.shape)} must have equal num_blocks and "
+                           "block_size.")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise RuntimeError(f"slot_mapping has dtype {slot_mapping.dtype}; it must be int32 or "
-                        "int64.")
+                           "int64.")
     if slot_mapping.shape != (key.shape[0],):
         raise RuntimeError(f"slot_mapping has shape {tuple(slot_mapping.shape)}; it must be "
-                         f"({key.shape[0]},), one slot per token of key.")
+                           f"({key.shape[0]},), one slot per token of key.")
     num_blocks, block_size = key_cache.shape[:2]
     slots = slot_mapping.long()
     if slots.numel():
         low, high = int(slots.min()), int(slots.max())
         if low < 0 or high >= num_blocks * block_size:
             raise RuntimeError(f"slot_mapping holds values in [{low}, {high}]; they must lie in "
-                             f"[0, {num_blocks * block_size - 1}] (num_blocks * block_size - "
-                             "1). Drop padding tokens before the call.")
+                               f"[0, {num_blocks * block_size - 1}] (num_blocks * block_size - "
+                               "1). Drop padding tokens before the call.")
         if slots.unique().numel() != slots.numel():
             raise RuntimeError("slot_mapping holds duplicate slots; the page requires unique "
-                             "values.")
+                               "values.")
     key_cache.view(-1, *key_cache.shape[2:])[slots] = key
     value_cache.view(-1, *value_cache.shape[2:])[slots] = value
     return None
@@ -171,7 +171,7 @@ def _per_batch_lengths(name: str, lengths, batch: int, limit: int | None) -> lis
         lengths = list(lengths) * batch
     elif len(lengths) < batch:
         raise RuntimeError(f"{name} has {len(lengths)} values for a batch of {batch}; the page "
-                         "allows 1 value or at least B.")
+                           "allows 1 value or at least B.")
     lengths = list(lengths[:batch])
     for b, length in enumerate(lengths):
         if length < 0 or (limit is not None and length > limit):
@@ -185,16 +185,16 @@ def _check_compressed_causal_mask(atten_mask) -> None:
     side = _COMPRESSED_MASK_SIDE
     if atten_mask.dtype not in _MASK_DTYPES:
         raise RuntimeError(f"atten_mask has dtype {atten_mask.dtype}; the page allows bool, int8 "
-                        "and uint8.")
+                           "and uint8.")
     if atten_mask.shape not in ((side, side), (1, side, side), (1, 1, side, side)):
         raise RuntimeError(f"atten_mask has shape {tuple(atten_mask.shape)}; with sparse_mode=3 "
-                         f"it must be the compressed ({side}, {side}) mask (or with leading "
-                         "1s).")
+                           f"it must be the compressed ({side}, {side}) mask (or with leading "
+                           "1s).")
     expected = torch.triu(torch.ones(side, side, dtype=torch.bool), diagonal=1)
     if not torch.equal(atten_mask.reshape(side, side).bool(), expected):
         raise RuntimeError("atten_mask is not the compressed causal mask: with sparse_mode=3 "
-                         "it must hold 1 strictly above the diagonal (not computed) and 0 "
-                         "elsewhere, i.e. torch.triu(torch.ones(2048, 2048), diagonal=1).")
+                           "it must hold 1 strictly above the diagonal (not computed) and 0 "
+                           "elsewhere, i.e. torch.triu(torch.ones(2048, 2048), diagonal=1).")
 
 
 def _paged_sequence(cache: torch.Tensor, table_row: torch.Tensor, length: int,
@@ -281,10 +281,10 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
                                       "by the reference torch_npu.")
         if tensor.dtype not in _HALF_DTYPES:
             raise RuntimeError(f"{name} has dtype {tensor.dtype}; the page allows float16 and "
-                            "bfloat16 (and int8 for key/value).")
+                               "bfloat16 (and int8 for key/value).")
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise RuntimeError(f"query ({query.dtype}), key ({key.dtype}) and value ({value.dtype}) "
-                        "must share one dtype in the modelled (unquantized) form.")
+                           "must share one dtype in the modelled (unquantized) form.")
 
     if input_layout in ("TND", "TND_NTD", "NTD_TND"):
         raise NotImplementedError(
@@ -299,21 +299,21 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         raise RuntimeError(f"num_heads={heads}; it must be in [1, 256].")
     if heads % kv_heads or heads // kv_heads > 64:
         raise RuntimeError(f"num_heads={heads} and num_key_value_heads={kv_heads}: num_heads "
-                         "must be a multiple of num_key_value_heads, at most 64 times it.")
+                           "must be a multiple of num_key_value_heads, at most 64 times it.")
     if input_layout == "BSND":
         if query.dim() != 4 or query.shape[2] != heads:
             raise RuntimeError(f"query has shape {tuple(query.shape)}; with input_layout='BSND' "
-                             f"it must be [B, Q_S, num_heads={heads}, D].")
+                               f"it must be [B, Q_S, num_heads={heads}, D].")
         head_dim = query.shape[3]
     else:
         if query.dim() != 3 or query.shape[2] % heads:
             raise RuntimeError(f"query has shape {tuple(query.shape)}; with input_layout='BSH' "
-                             f"it must be [B, Q_S, H] with H a multiple of num_heads={heads}.")
+                               f"it must be [B, Q_S, H] with H a multiple of num_heads={heads}.")
         head_dim = query.shape[2] // heads
     batch, q_s = query.shape[0], query.shape[1]
     if head_dim % 16 or head_dim > 512:
         raise RuntimeError(f"head dim D={head_dim}; with float16/bfloat16 inputs it must be a "
-                         "multiple of 16 and at most 512.")
+                           "multiple of 16 and at most 512.")
 
     if block_table is None:
         raise NotImplementedError("attention over dense key/value (no block_table) is not "
@@ -323,19 +323,19 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     if q_s == 1:
         if block <= 0 or block % 16:
             raise RuntimeError(f"block_size={block}; with Q_S = 1 and float16/bfloat16 "
-                             "caches it must be a positive multiple of 16.")
+                               "caches it must be a positive multiple of 16.")
     elif block not in (128, 256, 384, 512):
         raise RuntimeError(f"block_size={block}; page attention with Q_S > 1 needs 128 to 512 "
-                         "in steps of 128.")
+                           "in steps of 128.")
     hidden_kv = kv_heads * head_dim
     for name, cache in (("key", key), ("value", value)):
         if cache.dim() != 3 or cache.shape[1] != block or cache.shape[2] != hidden_kv:
             raise RuntimeError(f"{name} has shape {tuple(cache.shape)}; for page attention it "
-                             f"must be (num_blocks, block_size={block}, "
-                             f"num_key_value_heads * D = {hidden_kv}).")
+                               f"must be (num_blocks, block_size={block}, "
+                               f"num_key_value_heads * D = {hidden_kv}).")
     if hidden_kv > 65535:
         raise RuntimeError(f"num_key_value_heads * D = {hidden_kv} exceeds 65535, which the "
-                         "(num_blocks, block_size, H) cache layout cannot address.")
+                           "(num_blocks, block_size, H) cache layout cannot address.")
     num_blocks = key.shape[0]
     if actual_seq_lengths_kv is None:
         raise RuntimeError("page attention needs actual_seq_lengths_kv.")
@@ -348,16 +348,16 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     blocks_per_batch = [-(-length // block) for length in kv_lengths]
     if max(blocks_per_batch, default=0) > block_table.shape[1]:
         raise RuntimeError(f"block_table has {block_table.shape[1]} columns but a batch needs "
-                         f"{max(blocks_per_batch)} blocks for actual_seq_lengths_kv "
-                         f"{kv_lengths} and block_size {block}.")
+                           f"{max(blocks_per_batch)} blocks for actual_seq_lengths_kv "
+                           f"{kv_lengths} and block_size {block}.")
     if sum(blocks_per_batch) > num_blocks:
         raise RuntimeError(f"the caches hold {num_blocks} blocks, fewer than the "
-                         f"{sum(blocks_per_batch)} the batches' lengths need.")
+                           f"{sum(blocks_per_batch)} the batches' lengths need.")
     for b, count in enumerate(blocks_per_batch):
         ids = block_table[b, :count]
         if count and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
             raise RuntimeError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
-                             f"{num_blocks - 1}].")
+                               f"{num_blocks - 1}].")
 
     mode = _require_int("sparse_mode", sparse_mode)
     if mode not in (0, 1, 2, 3, 4):
@@ -411,9 +411,9 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
             allowed = cols <= rows + (kv_len - q_len)
             if not bool(allowed.any(dim=1).all()):
                 raise RuntimeError(f"batch {b}: actual_seq_lengths {q_len} exceeds "
-                                 f"actual_seq_lengths_kv {kv_len}, so rightDownCausal "
-                                 "leaves query rows with no key; the page leaves their "
-                                 "result open.")
+                                   f"actual_seq_lengths_kv {kv_len}, so rightDownCausal "
+                                   "leaves query rows with no key; the page leaves their "
+                                   "result open.")
             scores = scores.masked_fill(~allowed, -math.inf)
         row_lse = torch.logsumexp(scores, dim=-1)          # [N, q_len]
         probs = torch.exp(scores - row_lse.unsqueeze(-1))
@@ -457,8 +457,8 @@ def _mla_page_attention(given: dict):
     query_rope, key_rope = given["query_rope"], given["key_rope"]
     if query_rope is None or key_rope is None:
         raise RuntimeError("query_rope and key_rope must be given together (the MLA form); "
-                         f"got query_rope={'set' if query_rope is not None else None} and "
-                         f"key_rope={'set' if key_rope is not None else None}.")
+                           f"got query_rope={'set' if query_rope is not None else None} and "
+                           f"key_rope={'set' if key_rope is not None else None}.")
     for name in _UNMODELLED_FIA_ARGUMENTS:
         if given[name] is not None:
             raise NotImplementedError(
@@ -475,12 +475,12 @@ def _mla_page_attention(given: dict):
         _require_contiguous(name, tensor)
         if tensor.dtype not in _HALF_DTYPES:
             raise RuntimeError(f"{name} has dtype {tensor.dtype}; the MLA form takes float16 "
-                            "or bfloat16.")
+                               "or bfloat16.")
     for name, tensor in tensors[1:]:
         if tensor.dtype != query.dtype:
             raise RuntimeError(f"{name} has dtype {tensor.dtype} but query has {query.dtype}; "
-                            "the page requires query_rope like query and key_rope like key, "
-                            "all of one dtype here.")
+                               "the page requires query_rope like query and key_rope like key, "
+                               "all of one dtype here.")
 
     layout = given["input_layout"]
     if layout in ("TND", "TND_NTD", "NTD_TND"):
@@ -492,25 +492,25 @@ def _mla_page_attention(given: dict):
     heads = _require_int("num_heads", given["num_heads"])
     if heads not in _MLA_NUM_HEADS:
         raise RuntimeError(f"num_heads={heads}; with query_rope the page takes query heads "
-                         f"{list(_MLA_NUM_HEADS)}.")
+                           f"{list(_MLA_NUM_HEADS)}.")
     kv_heads = _require_int("num_key_value_heads", given["num_key_value_heads"])
     if kv_heads != 1:
         raise RuntimeError(f"num_key_value_heads={kv_heads}; with key_rope the page needs one "
-                         "latent KV head (num_key_value_heads=1).")
+                           "latent KV head (num_key_value_heads=1).")
     if query.dim() != query_rope.dim():
         raise RuntimeError(f"query {tuple(query.shape)} and query_rope "
-                         f"{tuple(query_rope.shape)} must have the same layout.")
+                           f"{tuple(query_rope.shape)} must have the same layout.")
     if layout == "BSND":
         if query.dim() != 4 or query.shape[2] != heads:
             raise RuntimeError(f"query has shape {tuple(query.shape)}; with input_layout='BSND' "
-                             f"it must be [B, Q_S, num_heads={heads}, D].")
+                               f"it must be [B, Q_S, num_heads={heads}, D].")
         head_dim, rope_dim = query.shape[3], query_rope.shape[3]
         q_lead, rope_lead = query.shape[:3], query_rope.shape[:3]
     else:
         if query.dim() != 3 or query.shape[2] % heads or query_rope.shape[2] % heads:
             raise RuntimeError(f"query {tuple(query.shape)} and query_rope "
-                             f"{tuple(query_rope.shape)}: with input_layout='BSH' both must "
-                             f"be [B, Q_S, H] with H a multiple of num_heads={heads}.")
+                               f"{tuple(query_rope.shape)}: with input_layout='BSH' both must "
+                               f"be [B, Q_S, H] with H a multiple of num_heads={heads}.")
         head_dim, rope_dim = query.shape[2] // heads, query_rope.shape[2] // heads
         q_lead, rope_lead = query.shape[:2], query_rope.shape[:2]
     if head_dim == 128:
@@ -520,16 +520,16 @@ def _mla_page_attention(given: dict):
         raise RuntimeError(f"query D={head_dim}; with query_rope the page takes D 512 (or 128).")
     if rope_dim != _MLA_ROPE_DIM or rope_lead != q_lead:
         raise RuntimeError(f"query_rope has shape {tuple(query_rope.shape)}; it must match "
-                         f"query {tuple(query.shape)} except for D, which is 64.")
+                           f"query {tuple(query.shape)} except for D, which is 64.")
     batch, q_s = query.shape[0], query.shape[1]
     if not 1 <= q_s <= _MLA_MAX_QUERY_TOKENS:
         raise RuntimeError(f"Q_S={q_s}; with query_rope the page takes 1 to "
-                         f"{_MLA_MAX_QUERY_TOKENS} query tokens per batch.")
+                           f"{_MLA_MAX_QUERY_TOKENS} query tokens per batch.")
 
     block_table = given["block_table"]
     if block_table is None:
         raise RuntimeError("the MLA form (query D 512 with rope) needs page attention: pass "
-                         "block_table and block_size.")
+                           "block_table and block_size.")
     _check_block_table(block_table, batch)
     block = _require_int("block_size", given["block_size"])
     if block not in _MLA_BLOCK_SIZES:
@@ -538,10 +538,10 @@ def _mla_page_attention(given: dict):
                                ("key_rope", key_rope, _MLA_ROPE_DIM)):
         if cache.dim() != 3 or cache.shape[1] != block or cache.shape[2] != width:
             raise RuntimeError(f"{name} has shape {tuple(cache.shape)}; in the MLA form it must "
-                             f"be the ND cache (num_blocks, block_size={block}, {width}).")
+                               f"be the ND cache (num_blocks, block_size={block}, {width}).")
     if not key.shape[0] == value.shape[0] == key_rope.shape[0]:
         raise RuntimeError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and key_rope "
-                         f"{tuple(key_rope.shape)} must hold the same number of blocks.")
+                           f"{tuple(key_rope.shape)} must hold the same number of blocks.")
     num_blocks = key.shape[0]
     if given["actual_seq_lengths_kv"] is None:
         raise RuntimeError("page attention needs actual_seq_lengths_kv.")
@@ -555,25 +555,25 @@ def _mla_page_attention(given: dict):
     blocks_per_batch = [-(-length // block) for length in kv_lengths]
     if max(blocks_per_batch, default=0) > block_table.shape[1]:
         raise RuntimeError(f"block_table has {block_table.shape[1]} columns but a batch needs "
-                         f"{max(blocks_per_batch)} blocks for actual_seq_lengths_kv "
-                         f"{kv_lengths} and block_size {block}.")
+                           f"{max(blocks_per_batch)} blocks for actual_seq_lengths_kv "
+                           f"{kv_lengths} and block_size {block}.")
     for b, count in enumerate(blocks_per_batch):
         ids = block_table[b, :count]
         if count and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
             raise RuntimeError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
-                             f"{num_blocks - 1}].")
+                               f"{num_blocks - 1}].")
 
     mode = _require_int("sparse_mode", given["sparse_mode"])
     atten_mask = given["atten_mask"]
     if q_s == 1:
         if mode != 0 or atten_mask is not None:
             raise RuntimeError(f"sparse_mode={mode} with a mask={atten_mask is not None} at "
-                             "Q_S = 1; the MLA form takes sparse_mode=0 and no mask there.")
+                               "Q_S = 1; the MLA form takes sparse_mode=0 and no mask there.")
     else:
         if mode != 3 or atten_mask is None:
             raise RuntimeError(f"sparse_mode={mode} at Q_S = {q_s}; the MLA form takes "
-                             "sparse_mode=3 with the compressed (2048, 2048) causal mask "
-                             "when Q_S > 1.")
+                               "sparse_mode=3 with the compressed (2048, 2048) causal mask "
+                               "when Q_S > 1.")
         _check_compressed_causal_mask(atten_mask)
     inner = _require_int("inner_precise", given["inner_precise"])
     if inner not in ((0, 1) if q_s == 1 else (0, 1, 2, 3)):
@@ -603,8 +603,8 @@ def _mla_page_attention(given: dict):
             allowed = cols <= rows + (kv_len - q_len)
             if not bool(allowed.any(dim=1).all()):
                 raise RuntimeError(f"batch {b}: actual_seq_lengths {q_len} exceeds "
-                                 f"actual_seq_lengths_kv {kv_len}, so rightDownCausal "
-                                 "leaves query rows with no key.")
+                                   f"actual_seq_lengths_kv {kv_len}, so rightDownCausal "
+                                   "leaves query rows with no key.")
             scores = scores.masked_fill(~allowed, -math.inf)
         probs = torch.softmax(scores, dim=-1)
         out[b, :q_len] = torch.einsum("nqk,kd->qnd", probs, values)
@@ -629,7 +629,7 @@ def fused_attention_workspace_bytes(query, num_heads) -> int:
     heads = _require_int("num_heads", num_heads)
     if heads < 1 or query.dim() not in (3, 4):
         raise RuntimeError(f"query of shape {tuple(query.shape)} with num_heads={heads}: "
-                         "expected a BSND or BSH query and num_heads >= 1.")
+                           "expected a BSND or BSH query and num_heads >= 1.")
     rows = query.shape[0] * query.shape[1] * heads
     head_dim = query.numel() // max(rows, 1)
     raw = 4 * rows * (head_dim + _WORKSPACE_ROW_EXTRA)
@@ -657,12 +657,13 @@ def npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwarg
     return torch.empty(size, dtype=torch.uint8, device=query.device)
 
 
-def npu_fused_infer_attention_score_out(query, key, value, *, workspace, out, **kwargs):
-    """``torch_npu.npu_fused_infer_attention_score.out(query, key, value, *, workspace, out=
-    [attention_out, softmax_lse], **the op's keyword arguments)``: the op writing into
-    ``out`` with a caller-given ``workspace``, the form captured in graph task groups.
+def npu_fused_infer_attention_score_out(query, key, value, *, workspace=None, out, **kwargs):
+    """``torch_npu.npu_fused_infer_attention_score.out(query, key, value, *, **the op's
+    keyword arguments, workspace=None, out=[attention_out, softmax_lse])``: the op writing
+    into ``out``, the form captured in graph task groups.
 
-    ``workspace``: a uint8 tensor of at least ``fused_attention_workspace_bytes`` bytes
+    ``workspace`` (op-plugin's schema: ``Tensor? workspace=None``): None lets the op take
+    its own; else a uint8 tensor of at least ``fused_attention_workspace_bytes`` bytes
     (what ``_npu_fused_infer_attention_score_get_max_workspace`` returns); ``out[0]`` of the
     attention output's shape and dtype, ``out[1]`` of the softmax log-sum-exp's shape
     (``(1,)`` when ``softmax_lse_flag`` is False, any floating dtype). Returns ``out``.
@@ -671,12 +672,13 @@ def npu_fused_infer_attention_score_out(query, key, value, *, workspace, out, **
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)} for "
                         "npu_fused_infer_attention_score.out.")
-    _require_tensor("workspace", workspace)
-    needed = fused_attention_workspace_bytes(query, kwargs.get("num_heads", 1))
-    if workspace.dtype != torch.uint8 or workspace.numel() < needed:
-        raise RuntimeError(f"workspace is {workspace.dtype} of {workspace.numel()} elements; "
-                         f"the call needs uint8 of at least {needed} bytes (use "
-                         "_npu_fused_infer_attention_score_get_max_workspace).")
+    if workspace is not None:
+        _require_tensor("workspace", workspace)
+        needed = fused_attention_workspace_bytes(query, kwargs.get("num_heads", 1))
+        if workspace.dtype != torch.uint8 or workspace.numel() < needed:
+            raise RuntimeError(f"workspace is {workspace.dtype} of {workspace.numel()} "
+                               f"elements; the call needs uint8 of at least {needed} bytes "
+                               "(use _npu_fused_infer_attention_score_get_max_workspace).")
     if not isinstance(out, (list, tuple)) or len(out) != 2:
         raise TypeError(f"out must be [attention_out, softmax_lse], got {out!r}.")
     attention_out, softmax_lse = npu_fused_infer_attention_score(query, key, value, **kwargs)
@@ -685,13 +687,13 @@ def npu_fused_infer_attention_score_out(query, key, value, *, workspace, out, **
         _require_tensor(f"out[{index}]", given)
         if given.shape != result.shape:
             raise RuntimeError(f"out[{index}] ({name}) has shape {tuple(given.shape)}; the call "
-                             f"produces {tuple(result.shape)}.")
+                               f"produces {tuple(result.shape)}.")
         if index == 0 and given.dtype != result.dtype:
             raise RuntimeError(f"out[0] (attention_out) is {given.dtype}; the call produces "
-                            f"{result.dtype}.")
+                               f"{result.dtype}.")
         if index == 1 and not given.dtype.is_floating_point:
             raise RuntimeError(f"out[1] (softmax_lse) is {given.dtype}; expected a floating "
-                            "dtype.")
+                               "dtype.")
         given.copy_(result)
     return out
 

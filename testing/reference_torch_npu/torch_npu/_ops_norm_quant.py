@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from torch_npu._ops import _require_dims, _require_float_dtype, _require_tensor
+from torch_npu._unmodelled import refuse_unmodelled
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _INT8_MIN, _INT8_MAX = -128, 127
@@ -22,13 +23,13 @@ _INT8_MIN, _INT8_MAX = -128, 127
 def _require_half_dtype(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in _HALF_DTYPES:
         raise RuntimeError(f"{name} has dtype {tensor.dtype}; supported dtypes are float16 and "
-                        "bfloat16.")
+                           "bfloat16.")
 
 
 def _require_not_empty(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
         raise RuntimeError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
-                         "not supported.")
+                           "not supported.")
 
 
 def _require_epsilon(epsilon) -> float:
@@ -40,10 +41,10 @@ def _require_epsilon(epsilon) -> float:
 def _require_same(name: str, tensor: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
     if tensor.shape != like.shape:
         raise RuntimeError(f"{name} has shape {tuple(tensor.shape)} but {like_name} has "
-                         f"{tuple(like.shape)}; they must be equal.")
+                           f"{tuple(like.shape)}; they must be equal.")
     if tensor.dtype != like.dtype:
         raise RuntimeError(f"{name} has dtype {tensor.dtype} but {like_name} has {like.dtype}; "
-                        "they must be equal.")
+                           "they must be equal.")
 
 
 def _require_trailing(name: str, tensor: torch.Tensor, x_name: str, x: torch.Tensor) -> int:
@@ -51,7 +52,7 @@ def _require_trailing(name: str, tensor: torch.Tensor, x_name: str, x: torch.Ten
     dims = tensor.dim()
     if dims == 0 or dims > x.dim() or tuple(tensor.shape) != tuple(x.shape[x.dim() - dims:]):
         raise RuntimeError(f"{name}'s shape {tuple(tensor.shape)} must equal the trailing dims "
-                         f"of {x_name}'s shape {tuple(x.shape)}.")
+                           f"of {x_name}'s shape {tuple(x.shape)}.")
     return dims
 
 
@@ -97,7 +98,7 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06):
     _require_same("x2", x2, "x1", x1)
     if gamma.dtype != x1.dtype:
         raise RuntimeError(f"gamma has dtype {gamma.dtype} but x1 has {x1.dtype}; gamma must "
-                        "have x1's dtype.")
+                           "have x1's dtype.")
     norm_dims = _require_trailing("gamma", gamma, "x1", x1)
     eps = _require_epsilon(epsilon)
 
@@ -116,9 +117,12 @@ _ADD_RMS_NORM_QUANT_DTYPES = {
 
 
 def npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1, beta=None, scales2=None,
-                           zero_points2=None, *, axis=-1, epsilon=1e-06, div_mode=True):
+                           zero_points2=None, *, axis=-1, epsilon=1e-06, div_mode=True,
+                           dst_type=None):
     """``torch_npu.npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1, beta=None,
-    scales2=None, zero_points2=None, *, axis=-1, epsilon=1e-06, div_mode=True) -> (y1, y2, x)``.
+    scales2=None, zero_points2=None, *, axis=-1, epsilon=1e-06, div_mode=True,
+    dst_type=None) -> (y1, y2, x)`` (op-plugin's schema; ``dst_type`` other than None,
+    another output type, is not modelled).
 
     Follows Ascend/op-plugin ``docs/context/torch_npu-npu_add_rms_norm_quant.md``:
 
@@ -135,6 +139,7 @@ def npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1, beta=None, scal
     same with the second scales. The page does not say what ``y2`` holds without
     ``scales2``; the reference returns zeros. Returns ``(y1, y2, x)``, ``x`` in x1's dtype.
     """
+    refuse_unmodelled("npu_add_rms_norm_quant", dst_type=dst_type)
     for name, value in (("x1", x1), ("x2", x2), ("gamma", gamma)):
         _require_tensor(name, value)
         _require_half_dtype(name, value)
@@ -143,7 +148,7 @@ def npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1, beta=None, scal
     _require_same("x2", x2, "x1", x1)
     if gamma.dtype != x1.dtype:
         raise RuntimeError(f"gamma has dtype {gamma.dtype} but x1 has {x1.dtype}; they must "
-                        "be equal.")
+                           "be equal.")
     norm_dims = _require_trailing("gamma", gamma, "x1", x1)
     if isinstance(axis, bool) or axis != -1:
         raise RuntimeError(f"axis={axis!r}: only the default -1 is supported.")
@@ -156,10 +161,10 @@ def npu_add_rms_norm_quant(x1, x2, gamma, scales1, zero_points1, beta=None, scal
         _require_tensor(name, value)
         if value.dtype != dtype:
             raise RuntimeError(f"{name} has dtype {value.dtype}; with {x1.dtype} inputs it "
-                            f"must be {dtype}.")
+                               f"must be {dtype}.")
         if value.shape != gamma.shape:
             raise RuntimeError(f"{name} has shape {tuple(value.shape)}; it must equal gamma's "
-                             f"{tuple(gamma.shape)}.")
+                               f"{tuple(gamma.shape)}.")
 
     check_param("scales1", scales1, scale_dtype)
     if zero_points1 is not None:
@@ -235,7 +240,7 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
             raise RuntimeError(f"{name} has dtype {value.dtype}; it must be x1's {x1.dtype}.")
         if value.shape != (hidden,):
             raise RuntimeError(f"{name} has shape {tuple(value.shape)}; it must be 1-D of "
-                             f"x1's last dim ({hidden},).")
+                               f"x1's last dim ({hidden},).")
     if y_dtype is not None and y_dtype != torch.int8:
         if y_dtype == getattr(torch, "quint4x2", None):
             raise NotImplementedError("y_dtype=torch.quint4x2 (int4 output) is not modelled "
@@ -304,14 +309,14 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None)
             raise NotImplementedError("dst_type=torch.quint4x2 is not modelled by the "
                                       "reference torch_npu.")
         raise RuntimeError(f"dst_type must be None, torch.int8 or torch.quint4x2, got "
-                        f"{dst_type}.")
+                           f"{dst_type}.")
     values = x.float()
     if smooth_scales is not None:
         _require_tensor("smooth_scales", smooth_scales)
         if smooth_scales.dtype != x.dtype or smooth_scales.shape != (x.shape[-1],):
             raise RuntimeError(f"smooth_scales must be 1-D ({x.shape[-1]},) of x's dtype "
-                             f"{x.dtype}; got {smooth_scales.dtype} "
-                             f"{tuple(smooth_scales.shape)}.")
+                               f"{x.dtype}; got {smooth_scales.dtype} "
+                               f"{tuple(smooth_scales.shape)}.")
         values = values * smooth_scales.float()
     if values.shape[-1] == 0:
         return (torch.empty(x.shape, dtype=torch.int8),
@@ -325,9 +330,15 @@ _MATMUL_MAX_LAST_DIM = 65535
 
 
 def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
-                     output_dtype=None, group_sizes=None):
+                     output_dtype=None, x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None,
+                     scale_dtype=None, group_sizes=None, y_scale=None):
     """``torch_npu.npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None,
-    bias=None, output_dtype=None, group_sizes=None) -> Tensor``.
+    bias=None, output_dtype=None, x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None,
+    scale_dtype=None, group_sizes=None, y_scale=None) -> Tensor``.
+
+    ``x1_dtype``, ``x2_dtype``, ``pertoken_scale_dtype`` and ``scale_dtype`` reinterpret
+    tensors as types torch has no dtype for (int4, float4, float8 scales), ``y_scale``
+    belongs to those forms: all are accepted and, other than None, not modelled.
 
     Follows Ascend/op-plugin ``docs/context/torch_npu-npu_quant_matmul.md``, the A2/A3
     rows of its dtype table with float16/bfloat16 output:
@@ -344,6 +355,9 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     ``out = (x1 @ x2 + bias) * scale * pertoken_scale`` for an int32 bias, else
     ``x1 @ x2 * scale * pertoken_scale + bias``; the product is exact (int32).
     """
+    refuse_unmodelled("npu_quant_matmul", x1_dtype=x1_dtype, x2_dtype=x2_dtype,
+                      pertoken_scale_dtype=pertoken_scale_dtype, scale_dtype=scale_dtype,
+                      y_scale=y_scale)
     for name, value in (("x1", x1), ("x2", x2), ("scale", scale)):
         _require_tensor(name, value)
     if x1.dtype != torch.int8 or x2.dtype != torch.int8:
@@ -359,11 +373,11 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     m, k = x1.shape
     if x2.shape[0] != k:
         raise RuntimeError(f"x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} do not multiply: "
-                         "x2 must be (k, n).")
+                           "x2 must be (k, n).")
     n = x2.shape[1]
     if k > _MATMUL_MAX_LAST_DIM or n > _MATMUL_MAX_LAST_DIM:
         raise RuntimeError(f"the last dims of x1 and x2 ({k}, {n}) must not exceed "
-                         f"{_MATMUL_MAX_LAST_DIM}.")
+                           f"{_MATMUL_MAX_LAST_DIM}.")
     for name, value in (("x1", x1), ("x2", x2), ("scale", scale)):
         _require_not_empty(name, value)
     if group_sizes is not None:
@@ -373,10 +387,10 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
             raise NotImplementedError(f"output_dtype={output_dtype} (int8/int32 output) is "
                                       "not modelled by the reference torch_npu.")
         raise RuntimeError(f"output_dtype must be int8, float16, bfloat16 or int32, got "
-                        f"{output_dtype}.")
+                           f"{output_dtype}.")
     if offset is not None:
         raise RuntimeError("offset applies to int8 output only; with float16/bfloat16 output "
-                         "it must be None.")
+                           "it must be None.")
     if scale.dtype == torch.int64:
         raise NotImplementedError("int64 scales (npu_trans_quant_param) are not modelled by "
                                   "the reference torch_npu.")
@@ -384,14 +398,14 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
         torch.float32,)
     if scale.dtype not in allowed_scale:
         raise RuntimeError(f"scale has dtype {scale.dtype}; with output_dtype={output_dtype} "
-                        f"it must be one of {allowed_scale}.")
+                           f"it must be one of {allowed_scale}.")
     if scale.dim() != 1 or scale.shape[0] not in (1, n):
         raise RuntimeError(f"scale must be 1-D (1,) or (n,)=({n},), got {tuple(scale.shape)}.")
     if pertoken_scale is not None:
         _require_tensor("pertoken_scale", pertoken_scale)
         if pertoken_scale.dtype != torch.float32 or pertoken_scale.shape != (m,):
             raise RuntimeError(f"pertoken_scale must be float32 (m,)=({m},), got "
-                             f"{pertoken_scale.dtype} {tuple(pertoken_scale.shape)}.")
+                               f"{pertoken_scale.dtype} {tuple(pertoken_scale.shape)}.")
     if bias is not None:
         _require_tensor("bias", bias)
         if output_dtype == torch.float16 and pertoken_scale is None:
@@ -400,10 +414,10 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
             allowed_bias = (torch.int32, torch.bfloat16, torch.float32)
         if bias.dtype not in allowed_bias:
             raise RuntimeError(f"bias has dtype {bias.dtype}; here it must be one of "
-                            f"{allowed_bias}.")
+                               f"{allowed_bias}.")
         if bias.shape != (n,):
             raise RuntimeError(f"bias must be (n,)=({n},) for 2-D inputs, got "
-                             f"{tuple(bias.shape)}.")
+                               f"{tuple(bias.shape)}.")
 
     acc = (x1.to(torch.int32) @ x2.to(torch.int32)).double()
     if bias is not None and bias.dtype == torch.int32:
@@ -465,16 +479,16 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
         raise RuntimeError(f"input's last dim D={d} must be even and below {_ROTARY_MUL_MAX_D}.")
     if input.dim() == 3 and input.shape[1] >= _ROTARY_MUL_MAX_HEADS:
         raise RuntimeError(f"N={input.shape[1]} of a TND input must be below "
-                         f"{_ROTARY_MUL_MAX_HEADS}.")
+                           f"{_ROTARY_MUL_MAX_HEADS}.")
     for name, value in (("r1", r1), ("r2", r2)):
         if value.dim() != input.dim() or value.shape[-1] != d or any(
                 size not in (1, full) for size, full in zip(value.shape[:-1],
                                                             input.shape[:-1], strict=True)):
             raise RuntimeError(f"{name} has shape {tuple(value.shape)}; it must broadcast to "
-                             f"input's {tuple(input.shape)} with the same last dim.")
+                               f"input's {tuple(input.shape)} with the same last dim.")
         if rotary_mode == "interleave" and sum(size > 1 for size in value.shape[:-1]) > 1:
             raise RuntimeError(f"{name} has shape {tuple(value.shape)}; in interleave mode only "
-                             "one dim besides D may exceed 1 (11SD, 1S1D, S11D or T1D).")
+                               "one dim besides D may exceed 1 (11SD, 1S1D, S11D or T1D).")
     x = input.float()
     rotated = _rotate_half(x) if rotary_mode == "half" else _rotate_interleaved(x)
     return (x * r1.float() + rotated * r2.float()).to(input.dtype)
@@ -485,14 +499,16 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
 _APPLY_HEAD_SIZES = (64, 128)
 
 
-def npu_apply_rotary_pos_emb(query, key, cos, sin, *, layout="BSND", rotary_mode="half"):
-    """``torch_npu.npu_apply_rotary_pos_emb(query, key, cos, sin, *, layout='BSND',
-    rotary_mode='half') -> (Tensor, Tensor)``.
+def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSH", rotary_mode="half"):
+    """``torch_npu.npu_apply_rotary_pos_emb(query, key, cos, sin, layout='BSH',
+    rotary_mode='half') -> (Tensor, Tensor)``, op-plugin's schema: every argument may be
+    positional, and the default layout is 'BSH', which the binding reads as 'BSND' (callers
+    pass 4-D ``(b, s, n, d)`` tensors with the default).
 
     Follows Ascend/op-plugin ``docs/context/torch_npu-npu_apply_rotary_pos_emb.md`` for
     Atlas A2/A3:
 
-    - ``layout``: "BSND" (4-D ``query`` ``(b, s, qn, d)``, ``key`` ``(b, s, kn, d)``,
+    - ``layout``: "BSND" or "BSH" (4-D ``query`` ``(b, s, qn, d)``, ``key`` ``(b, s, kn, d)``,
       ``cos``/``sin`` ``(b, s, 1, d)``) or "TND" (3-D, ``(t, n, d)`` and ``(t, 1, d)``).
     - ``rotary_mode``: "half" only on A2/A3.
     - D of all four is 64 or 128; the four share one dtype (float16, bfloat16, float32);
@@ -505,24 +521,25 @@ def npu_apply_rotary_pos_emb(query, key, cos, sin, *, layout="BSND", rotary_mode
         _require_tensor(name, value)
         _require_float_dtype(name, value)
         _require_not_empty(name, value)
-    if layout not in ("BSND", "TND"):
-        raise RuntimeError(f"layout={layout!r}: Atlas A2/A3 support 'BSND' and 'TND'.")
+    if layout not in ("BSH", "BSND", "TND"):
+        raise RuntimeError(f"layout={layout!r}: Atlas A2/A3 support 'BSND' (also named "
+                           "'BSH', the default) and 'TND'.")
     if rotary_mode != "half":
         raise RuntimeError(f"rotary_mode={rotary_mode!r}: Atlas A2/A3 support 'half' only.")
-    dims = 4 if layout == "BSND" else 3
+    dims = 3 if layout == "TND" else 4
     lead = dims - 2  # (b, s) or (t,)
     for name, value in (("query", query), ("key", key), ("cos", cos), ("sin", sin)):
         if value.dim() != dims:
             raise RuntimeError(f"{name} must have {dims} dims for layout {layout!r}, got "
-                             f"{value.dim()}.")
+                               f"{value.dim()}.")
         if value.shape[-1] not in _APPLY_HEAD_SIZES:
             raise RuntimeError(f"{name}'s last dim D={value.shape[-1]} must be 64 or 128.")
         if value.dtype != query.dtype:
             raise RuntimeError(f"{name} has dtype {value.dtype} but query has {query.dtype}; "
-                            "the four inputs must share one dtype.")
+                               "the four inputs must share one dtype.")
         if value.shape[:lead] != query.shape[:lead]:
             raise RuntimeError(f"{name}'s leading dims {tuple(value.shape[:lead])} must equal "
-                             f"query's {tuple(query.shape[:lead])}.")
+                               f"query's {tuple(query.shape[:lead])}.")
     if key.shape[-1] != query.shape[-1] or cos.shape != sin.shape:
         raise RuntimeError("query and key must share D, and cos and sin one shape.")
     if cos.shape[-1] != query.shape[-1]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from torch_npu._ops import _require_tensor
+from torch_npu._unmodelled import refuse_unmodelled
 
 _INT4_MIN, _INT4_MAX = -8, 7
 _INT8_MIN, _INT8_MAX = -128, 127
@@ -38,7 +39,7 @@ def _require_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, 
 def _require_not_empty(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
         raise RuntimeError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
-                         "not supported.")
+                           "not supported.")
 
 
 def _require_int(name: str, value, allowed=None) -> int:
@@ -76,7 +77,7 @@ def _quantize_axis(axis: int, dims: int, div_mode: bool) -> int:
     if not div_mode:
         if axis < -2 or axis >= dims:
             raise RuntimeError(f"axis={axis}: with div_mode=False it must lie in [-2, "
-                             f"{dims - 1}] for a {dims}-dim input.")
+                               f"{dims - 1}] for a {dims}-dim input.")
         if axis == -2 and dims < 2:
             raise RuntimeError("axis=-2 needs an input of at least 2 dims.")
         return dims - 2 if axis == -2 else dims - 1
@@ -92,7 +93,7 @@ def _broadcast_scales(name: str, scales: torch.Tensor, input: torch.Tensor, dim:
     if scales.dim() == 1:
         if scales.shape[0] not in (1, size):
             raise RuntimeError(f"{name} has shape {tuple(scales.shape)}; a 1-D {name} must "
-                             f"have 1 or input.shape[{dim}]={size} values.")
+                               f"have 1 or input.shape[{dim}]={size} values.")
         shape = [1] * input.dim()
         shape[dim] = scales.shape[0]
         return scales.reshape(shape)
@@ -103,8 +104,8 @@ def _broadcast_scales(name: str, scales: torch.Tensor, input: torch.Tensor, dim:
             s != 1 for i, s in enumerate(scales.shape) if i != dim) or scales.shape[dim] not in (
             1, size):
         raise RuntimeError(f"{name} has shape {tuple(scales.shape)}; a multi-dim {name} must "
-                         f"have input's {input.dim()} dims, all 1 except dim {dim} (1 or "
-                         f"{size}).")
+                           f"have input's {input.dim()} dims, all 1 except dim {dim} (1 or "
+                           f"{size}).")
     return scales
 
 
@@ -141,7 +142,7 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
                                   "torch_npu; use torch.qint8 or torch.quint4x2.")
     if dtype not in (torch.qint8, torch.quint4x2):
         raise RuntimeError(f"dtype must be torch.qint8, torch.quint8, torch.int32 or "
-                        f"torch.quint4x2, got {dtype!r}.")
+                           f"torch.quint4x2, got {dtype!r}.")
     if dtype == torch.quint4x2 and div_mode:
         raise RuntimeError("dtype=torch.quint4x2 needs div_mode=False.")
     dim = _quantize_axis(axis, input.dim(), div_mode)
@@ -159,9 +160,9 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
             _require_tensor("zero_points", zero_points)
             if zero_points.shape != scales.shape or zero_points.dtype != scales.dtype:
                 raise RuntimeError(f"zero_points ({zero_points.dtype} "
-                                 f"{tuple(zero_points.shape)}) must have scales' shape and "
-                                 f"dtype ({scales.dtype} {tuple(scales.shape)}) with "
-                                 "div_mode=False.")
+                                   f"{tuple(zero_points.shape)}) must have scales' shape and "
+                                   f"dtype ({scales.dtype} {tuple(scales.shape)}) with "
+                                   "div_mode=False.")
     scale_b = _broadcast_scales("scales", scales, input, dim, not div_mode).float()
     values = input.float() / scale_b if div_mode else input.float() * scale_b
     if zero_points is not None:
@@ -172,7 +173,7 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
         return rounded.clamp(_INT8_MIN, _INT8_MAX).to(torch.int8)
     if input.shape[-1] % 8:
         raise RuntimeError(f"dtype=torch.quint4x2 packs 8 values per int32: input's last dim "
-                         f"{input.shape[-1]} must be a multiple of 8.")
+                           f"{input.shape[-1]} must be a multiple of 8.")
     return pack_int4_words(rounded.clamp(_INT4_MIN, _INT4_MAX))
 
 
@@ -200,7 +201,7 @@ def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
     low, high = int(weight.min()), int(weight.max())
     if low < _INT4_MIN or high > _INT4_MAX:
         raise RuntimeError(f"weight holds values in [{low}, {high}]; int4 values must lie in "
-                         f"[{_INT4_MIN}, {_INT4_MAX}].")
+                           f"[{_INT4_MIN}, {_INT4_MAX}].")
     return pack_int4_words(weight)
 
 
@@ -218,16 +219,18 @@ def _unpacked_weight(weight: torch.Tensor, k: int) -> torch.Tensor:
     if weight.shape[0] * 8 == k and weight.t().is_contiguous():
         return unpack_int4_words(weight.t()).t()
     raise RuntimeError(f"an int32 (packed int4) weight of shape {tuple(weight.shape)} does not "
-                     f"fit K={k}: pass (K, N/8) contiguous, or (K/8, N) transposed from a "
-                     "contiguous (N, K/8).")
+                       f"fit K={k}: pass (K, N/8) contiguous, or (K/8, N) transposed from a "
+                       "contiguous (N, K/8).")
 
 
 def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None,
                                  quant_scale=None, quant_offset=None, bias=None,
-                                 antiquant_group_size=0, inner_precise=0):
+                                 antiquant_group_size=0, inner_precise=0, weight_dtype=None):
     """``torch_npu.npu_weight_quant_batchmatmul(x, weight, antiquant_scale,
     antiquant_offset=None, quant_scale=None, quant_offset=None, bias=None,
-    antiquant_group_size=0, inner_precise=0) -> Tensor``.
+    antiquant_group_size=0, inner_precise=0, weight_dtype=None) -> Tensor`` (op-plugin's
+    schema; ``weight_dtype``, which reinterprets ``weight`` as a type torch has no dtype
+    for, is not modelled other than None).
 
     Follows Ascend/op-plugin ``docs/context/torch_npu-npu_weight_quant_batchmatmul.md``,
     the A2/A3 rules, ND format:
@@ -249,13 +252,14 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
 
     ``y = x @ ((weight + antiquant_offset) * antiquant_scale) + bias`` in ``x``'s dtype.
     """
+    refuse_unmodelled("npu_weight_quant_batchmatmul", weight_dtype=weight_dtype)
     for name, value in (("x", x), ("weight", weight), ("antiquant_scale", antiquant_scale)):
         _require_tensor(name, value)
         _require_not_empty(name, value)
     _require_dtype("x", x, _HALF)
     if x.dim() != 2 or weight.dim() != 2:
         raise RuntimeError(f"x and weight must be 2-D ((M, K), (K, N)), got {x.dim()} and "
-                         f"{weight.dim()} dims.")
+                           f"{weight.dim()} dims.")
     _require_dtype("weight", weight, (torch.int8, torch.int32))
     if quant_scale is not None or quant_offset is not None:
         raise NotImplementedError("quant_scale/quant_offset (int8 output) are not modelled "
@@ -266,7 +270,7 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
     w = _unpacked_weight(weight, k)
     if w.shape[0] != k:
         raise RuntimeError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
-                         "multiply: weight must be (K, N).")
+                           "multiply: weight must be (K, N).")
     n = w.shape[1]
     if not (1 <= k <= _MAX_INNER and 1 <= n <= _MAX_INNER):
         raise RuntimeError(f"K={k} and N={n} must lie in [1, {_MAX_INNER}].")
@@ -275,19 +279,19 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
                                   "modelled by the reference torch_npu.")
     if antiquant_scale.dtype != x.dtype:
         raise RuntimeError(f"antiquant_scale has dtype {antiquant_scale.dtype}; it must be x's "
-                        f"{x.dtype}.")
+                           f"{x.dtype}.")
     shape = tuple(antiquant_scale.shape)
     if group_size:
         if group_size % 32 or not 32 <= group_size <= k - 1:
             raise RuntimeError(f"antiquant_group_size={group_size} must be a multiple of 32 in "
-                             f"[32, K-1={k - 1}].")
+                               f"[32, K-1={k - 1}].")
         groups = -(-k // group_size)
         if shape != (groups, n):
             raise RuntimeError(f"per-group antiquant_scale must be (ceil(K/group)={groups}, "
-                             f"N={n}), got {shape}.")
+                               f"N={n}), got {shape}.")
     elif shape not in ((1,), (1, 1), (n,), (1, n)):
         raise RuntimeError(f"antiquant_scale has shape {shape}; use (1,)/(1, 1) per tensor or "
-                         f"({n},)/(1, {n}) per channel (or set antiquant_group_size).")
+                           f"({n},)/(1, {n}) per channel (or set antiquant_group_size).")
     if antiquant_offset is not None:
         _require_tensor("antiquant_offset", antiquant_offset)
         if antiquant_offset.dtype == torch.int32:
@@ -296,14 +300,14 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
         if antiquant_offset.dtype != antiquant_scale.dtype or tuple(
                 antiquant_offset.shape) != shape:
             raise RuntimeError(f"antiquant_offset ({antiquant_offset.dtype} "
-                             f"{tuple(antiquant_offset.shape)}) must have antiquant_scale's "
-                             f"dtype and shape ({antiquant_scale.dtype} {shape}).")
+                               f"{tuple(antiquant_offset.shape)}) must have antiquant_scale's "
+                               f"dtype and shape ({antiquant_scale.dtype} {shape}).")
     if bias is not None:
         _require_tensor("bias", bias)
         want = torch.float32 if x.dtype == torch.bfloat16 else torch.float16
         if bias.dtype != want:
             raise RuntimeError(f"bias has dtype {bias.dtype}; with {x.dtype} x it must be "
-                            f"{want}.")
+                               f"{want}.")
         if tuple(bias.shape) not in ((n,), (1, n)):
             raise RuntimeError(f"bias must be ({n},) or (1, {n}), got {tuple(bias.shape)}.")
         if not bias.is_contiguous():
@@ -345,10 +349,10 @@ def _group_bounds(group_list: torch.Tensor, list_type: int, rows: int,
                   groups: int) -> list[tuple[int, int]]:
     if group_list.dtype != torch.int64 or group_list.dim() != 1:
         raise RuntimeError(f"group_list must be a 1-D int64 tensor, got {group_list.dtype} "
-                        f"{tuple(group_list.shape)}.")
+                           f"{tuple(group_list.shape)}.")
     if group_list.shape[0] != groups:
         raise RuntimeError(f"group_list has {group_list.shape[0]} entries; it must have one per "
-                         f"weight group ({groups}).")
+                           f"weight group ({groups}).")
     values = [int(v) for v in group_list.tolist()]
     if any(v < 0 for v in values):
         raise RuntimeError(f"group_list holds negative values {values}.")
@@ -373,12 +377,18 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
                        antiquant_offset=None, per_token_scale=None, group_list=None,
                        activation_input=None, activation_quant_scale=None,
                        activation_quant_offset=None, split_item=0, group_type=None,
-                       group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
+                       group_list_type=0, act_type=0, tuning_config=None, output_dtype=None,
+                       x_dtype=None, weight_dtype=None, scale_dtype=None,
+                       per_token_scale_dtype=None):
     """``torch_npu.npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None,
     antiquant_scale=None, antiquant_offset=None, per_token_scale=None, group_list=None,
     activation_input=None, activation_quant_scale=None, activation_quant_offset=None,
-    split_item=0, group_type=None, group_list_type=0, act_type=0, output_dtype=None,
-    tuning_config=None) -> List[Tensor]``.
+    split_item=0, group_type=None, group_list_type=0, act_type=0, tuning_config=None,
+    output_dtype=None, x_dtype=None, weight_dtype=None, scale_dtype=None,
+    per_token_scale_dtype=None) -> List[Tensor]``, op-plugin's schema: ``split_item``,
+    ``group_list_type`` and ``act_type`` are ``int?``, so None means their default. The
+    ``*_dtype`` arguments reinterpret tensors as types torch has no dtype for (hifloat8,
+    float4, int4, float8 scales): other than None they are not modelled.
 
     Follows Ascend/op-plugin ``docs/context/torch_npu-npu_grouped_matmul.md`` for A2/A3
     with a Tensor ``group_list``, grouping along M (``group_type=0``), one output tensor
@@ -404,6 +414,11 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     weights, int4 inputs, int64 scales / int8 output, ``act_type`` other than 0,
     ``tuning_config``. ``offset`` and the ``activation_*`` arguments must be None.
     """
+    refuse_unmodelled("npu_grouped_matmul", x_dtype=x_dtype, weight_dtype=weight_dtype,
+                      scale_dtype=scale_dtype, per_token_scale_dtype=per_token_scale_dtype)
+    split_item = 0 if split_item is None else split_item
+    group_list_type = 0 if group_list_type is None else group_list_type
+    act_type = 0 if act_type is None else act_type
     xs, ws = _as_list("x", x), _as_list("weight", weight)
     if not xs or not ws:
         raise RuntimeError("x and weight must be non-empty lists of tensors.")
@@ -438,7 +453,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
         raise NotImplementedError("several x tensors (multi-multi forms) are not modelled.")
     if len(ws) > _GMM_MAX_LIST:
         raise RuntimeError(f"weight holds {len(ws)} tensors; the list is at most "
-                         f"{_GMM_MAX_LIST} long.")
+                           f"{_GMM_MAX_LIST} long.")
     xt = xs[0]
     if xt.dim() != 2:
         raise RuntimeError(f"x[0] must be 2-D (M, K) here, got {xt.dim()} dims.")
@@ -450,10 +465,10 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     else:
         if any(w.dim() != 2 for w in ws):
             raise RuntimeError("a multi-tensor weight takes 2-D (K, N) tensors; a single "
-                             "weight tensor is (E, K, N).")
+                               "weight tensor is (E, K, N).")
         if group_list_type == 1 and group_list.shape[0] > _GMM_MAX_LIST:
             raise RuntimeError(f"group_list_type=1 with a multi-tensor weight takes at most "
-                             f"{_GMM_MAX_LIST} groups.")
+                               f"{_GMM_MAX_LIST} groups.")
         per_group = ws
     groups = len(per_group)
     if groups > _GMM_MAX_GROUPS:
@@ -465,13 +480,13 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
             raise RuntimeError("the weight tensors must share one dtype.")
         if tuple(w.shape) != (k, n):
             raise RuntimeError(f"weight group {i} has shape {tuple(w.shape)}; every group must "
-                             f"be (K={k}, N={n}).")
+                               f"be (K={k}, N={n}).")
     if k >= _MAX_INNER + 1 or n >= _MAX_INNER + 1:
         raise RuntimeError(f"the last dims of x and weight ({k}, {n}) must stay below 65536.")
     bounds = _group_bounds(group_list, group_list_type, m, groups)
     if xt.dtype != per_group[0].dtype:
         raise RuntimeError(f"x has dtype {xt.dtype} but weight {per_group[0].dtype}; the "
-                        "modelled rows take equal dtypes.")
+                           "modelled rows take equal dtypes.")
 
     def per_group_tensors(name: str, values: list, dtype_ok, length: int) -> list:
         if not values:
@@ -479,7 +494,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
         if single:
             if len(values) != 1 or tuple(values[0].shape) != (groups, length):
                 raise RuntimeError(f"{name} with a single (E, K, N) weight must be one "
-                                 f"({groups}, {length}) tensor.")
+                                   f"({groups}, {length}) tensor.")
             tensors = list(values[0].unbind(0))
         else:
             if len(values) != groups or any(tuple(t.shape) != (length,) for t in values):
@@ -498,7 +513,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
             raise RuntimeError("scale and per_token_scale belong to int8 inputs.")
         if output_dtype not in (None, xt.dtype):
             raise RuntimeError(f"output_dtype must be None or x's {xt.dtype}, got "
-                            f"{output_dtype}.")
+                               f"{output_dtype}.")
         bias_dtype = torch.float16 if xt.dtype == torch.float16 else torch.float32
 
         def bias_ok(name, t):
@@ -519,7 +534,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
         raise NotImplementedError("int4 (int32-packed) grouped matmuls are not modelled.")
     if xt.dtype != torch.int8:
         raise RuntimeError(f"x has dtype {xt.dtype}; supported: float16, bfloat16, float32, "
-                        "int8 and int4.")
+                           "int8 and int4.")
     if not scales:
         raise NotImplementedError("int8 output without scale (int32/int8 results) is not "
                                   "modelled.")
@@ -545,7 +560,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
         if len(tokens) != 1 or tokens[0].dtype != torch.float32 or tuple(
                 tokens[0].shape) != (m,):
             raise RuntimeError(f"per_token_scale must be one float32 ({m},) tensor, got "
-                             f"{[(t.dtype, tuple(t.shape)) for t in tokens]}.")
+                               f"{[(t.dtype, tuple(t.shape)) for t in tokens]}.")
         token_scale = tokens[0].reshape(m, 1)
     out = torch.zeros(m, n, dtype=torch.float32)
     for i, (start, end) in enumerate(bounds):

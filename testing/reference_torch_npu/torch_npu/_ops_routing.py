@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from torch_npu._ops import _require_float_dtype, _require_tensor
+from torch_npu._unmodelled import unmodelled_argument
 
 _MAX_EXPERTS = 2048
 _GATING_SOFTMAX_MAX_K = 1024
@@ -30,7 +31,7 @@ def _require_int(name: str, value: object) -> int:
 def _require_not_empty(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
         raise RuntimeError(f"{name} is empty (shape {tuple(tensor.shape)}); empty tensors are "
-                         "not supported.")
+                           "not supported.")
 
 
 def _descending_top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +76,7 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
     experts = x.shape[-1]
     if not 0 < k <= min(experts, _GATING_SOFTMAX_MAX_K):
         raise RuntimeError(f"k={k} is out of range; it must satisfy 0 < k <= {experts} (x's "
-                         f"last dim) and k <= {_GATING_SOFTMAX_MAX_K}.")
+                           f"last dim) and k <= {_GATING_SOFTMAX_MAX_K}.")
     # The real op's test golden ranks the softmax after casting it to x's dtype, the lower
     # expert first among equal scores, and compares expert_idx exactly: in float16 many
     # experts round to equal scores, so ranking the float32 softmax picks other experts.
@@ -135,23 +136,23 @@ def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_sel
             raise TypeError(f"{name} must be a float, got {type(value).__name__}.")
     if group_count <= 0 or experts % group_count:
         raise RuntimeError(f"group_count={group_count} must be > 0 and divide x's {experts} "
-                         "experts.")
+                           "experts.")
     group_size = experts // group_count
     if group_size <= 2:
         raise RuntimeError(f"experts / group_count = {group_size}; it must be greater than 2.")
     aligned = -(-group_size // 32) * 32
     if aligned * group_count > _MAX_EXPERTS:
         raise RuntimeError(f"the group size rounded up to 32 ({aligned}) times group_count "
-                         f"({group_count}) is {aligned * group_count}; it must be <= "
-                         f"{_MAX_EXPERTS}.")
+                           f"({group_count}) is {aligned * group_count}; it must be <= "
+                           f"{_MAX_EXPERTS}.")
     if not 1 <= k_group <= group_count:
         raise RuntimeError(f"k_group={k_group} must be in [1, group_count={group_count}].")
     if not 1 <= k <= group_size * k_group:
         raise RuntimeError(f"k={k} must be in [1, experts / group_count * k_group = "
-                         f"{group_size * k_group}].")
+                           f"{group_size * k_group}].")
     if group_select_mode not in (0, 1):
         raise RuntimeError(f"group_select_mode={group_select_mode}; use 0 (group maximum) or 1 "
-                         "(sum of the group's top two).")
+                           "(sum of the group's top two).")
     if norm_type not in (0, 1):
         raise RuntimeError(f"norm_type={norm_type}; use 0 (softmax) or 1 (sigmoid).")
     if renorm != 0:
@@ -186,8 +187,9 @@ def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_sel
     return y.to(x.dtype), expert_idx.to(torch.int32), third
 
 
-def npu_top_k_top_p(logits, p, k):
-    """``torch_npu.npu_top_k_top_p(logits, p, k) -> Tensor``.
+def npu_top_k_top_p(logits, p=None, k=None):
+    """``torch_npu.npu_top_k_top_p(logits, p=None, k=None) -> Tensor`` (op-plugin's schema:
+    either filter may be left out).
 
     Follows Ascend/op-plugin ``docs/context/torch_npu-npu_top_k_top_p.md``:
 
@@ -199,7 +201,8 @@ def npu_top_k_top_p(logits, p, k):
     The page's formula: sort each row ascending (stable); mask to -inf the values below
     the k-th largest; softmax what is left, accumulate from the smallest, mask where the
     running sum is <= 1 - p, always keeping the last (largest); restore the original
-    order. The result has ``logits``' dtype and shape.
+    order. The result has ``logits``' dtype and shape. Without ``k`` the top-k step is
+    skipped, without ``p`` the top-p step; with neither (left open) it raises.
     """
     _require_tensor("logits", logits)
     _require_float_dtype("logits", logits)
@@ -207,29 +210,36 @@ def npu_top_k_top_p(logits, p, k):
         raise RuntimeError(f"logits must be 2-D, got {logits.dim()} dims.")
     _require_not_empty("logits", logits)
     batch, vocab = logits.shape
-    _require_tensor("p", p)
-    _require_tensor("k", k)
-    if p.dtype != logits.dtype:
-        raise RuntimeError(f"p has dtype {p.dtype} but logits has {logits.dtype}; they must "
-                        "match.")
-    if k.dtype != torch.int32:
-        raise RuntimeError(f"k has dtype {k.dtype}; it must be int32.")
+    if p is None and k is None:
+        raise unmodelled_argument("npu_top_k_top_p", "p and k", None)
+    if p is not None:
+        _require_tensor("p", p)
+        if p.dtype != logits.dtype:
+            raise RuntimeError(f"p has dtype {p.dtype} but logits has {logits.dtype}; they "
+                               "must match.")
+    if k is not None:
+        _require_tensor("k", k)
+        if k.dtype != torch.int32:
+            raise RuntimeError(f"k has dtype {k.dtype}; it must be int32.")
     for name, tensor in (("p", p), ("k", k)):
-        if tuple(tensor.shape) != (batch,):
-            raise RuntimeError(f"{name} has shape {tuple(tensor.shape)}; it must be ({batch},), "
-                             "logits' first dim.")
-    if ((p < 0) | (p > 1)).any():
-        raise RuntimeError(f"p holds {p[(p < 0) | (p > 1)][0].item()}; values must be in [0, 1].")
+        if tensor is not None and tuple(tensor.shape) != (batch,):
+            raise RuntimeError(f"{name} has shape {tuple(tensor.shape)}; it must be "
+                               f"({batch},), logits' first dim.")
+    if p is not None and ((p < 0) | (p > 1)).any():
+        raise RuntimeError(f"p holds {p[(p < 0) | (p > 1)][0].item()}; values must be in "
+                           "[0, 1].")
     top = min(_TOP_K_TOP_P_MAX_K, vocab)
-    if ((k < 1) | (k > top)).any():
+    if k is not None and ((k < 1) | (k > top)).any():
         raise RuntimeError(f"k holds {k[(k < 1) | (k > top)][0].item()}; values must be in "
-                         f"[1, {_TOP_K_TOP_P_MAX_K}] and at most logits.size(1) = {vocab}.")
+                           f"[1, {_TOP_K_TOP_P_MAX_K}] and at most logits.size(1) = {vocab}.")
 
     ranked, order = logits.float().sort(dim=-1, stable=True)
-    kth_largest = ranked.gather(1, (vocab - k.long()).unsqueeze(1))
-    ranked = ranked.masked_fill(ranked < kth_largest, float("-inf"))
-    running = ranked.softmax(dim=-1).cumsum(dim=-1)
-    dropped = running <= (1 - p.float()).unsqueeze(1)
-    dropped[:, -1] = False
-    ranked = ranked.masked_fill(dropped, float("-inf"))
+    if k is not None:
+        kth_largest = ranked.gather(1, (vocab - k.long()).unsqueeze(1))
+        ranked = ranked.masked_fill(ranked < kth_largest, float("-inf"))
+    if p is not None:
+        running = ranked.softmax(dim=-1).cumsum(dim=-1)
+        dropped = running <= (1 - p.float()).unsqueeze(1)
+        dropped[:, -1] = False
+        ranked = ranked.masked_fill(dropped, float("-inf"))
     return torch.empty_like(ranked).scatter_(1, order, ranked).to(logits.dtype)
