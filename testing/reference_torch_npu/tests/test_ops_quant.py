@@ -82,6 +82,23 @@ def test_quantize_refuses_what_the_page_rules_out(torch_npu, kwargs, error, matc
         torch_npu.npu_quantize(**args)
 
 
+@pytest.mark.parametrize("dtype", [torch.qint32, torch.int32])
+def test_quantize_to_int32_rounds_half_even_and_saturates(torch_npu, dtype):
+    # The page's int32 output (div_mode=True): input / scales + zero_points, rounded and
+    # held in int32; values past the int32 range saturate.
+    x = torch.tensor([[2.5, -2.5, 3.5, 7.0], [1e10, -1e10, 0.4, -0.6]])
+    scales = torch.tensor([1.0, 1.0, 1.0, 0.5])
+    zero_points = torch.tensor([0, 0, 0, 100], dtype=torch.int32)
+    out = torch_npu.npu_quantize(x, scales, zero_points, dtype, -1, True)
+    assert out.dtype == torch.int32
+    assert out.tolist() == [[2, -2, 4, 114], [2**31 - 1, -(2**31), 0, 99]]
+    npu_out = torch_npu.npu_quantize(x.to("npu"), scales.to("npu"), zero_points.to("npu"),
+                                     dtype, -1, True)
+    assert torch.equal(npu_out.cpu(), out)
+    with pytest.raises(RuntimeError, match="div_mode=True"):
+        torch_npu.npu_quantize(x, scales, None, dtype, -1, False)
+
+
 # --- npu_convert_weight_to_int4pack -------------------------------------------------------
 
 
@@ -209,6 +226,36 @@ def test_grouped_matmul_multi_weight_float_with_bias(torch_npu):
     _close(out, expected, torch.float16, scale=4)
 
 
+@pytest.mark.parametrize("list_type", [0, 1])
+def test_grouped_matmul_group_type_2_groups_along_k(torch_npu, list_type):
+    # The page's A2/A3 group_type=2 row: x (M, K) transposed, weight (K, N), group_list
+    # over K, y (g, M, N) with y[i] = x[:, k_i] @ weight[k_i, :].
+    torch.manual_seed(9)
+    m, k, n = 3, 12, 5
+    x = torch.randn(k, m, dtype=torch.bfloat16).t()
+    w = torch.randn(k, n, dtype=torch.bfloat16)
+    sizes = [4, 0, 8]
+    group_list = torch.tensor(sizes if list_type else [4, 4, 12])
+    (out,) = torch_npu.npu_grouped_matmul([x], [w], group_list=group_list, split_item=3,
+                                         group_type=2, group_list_type=list_type)
+    assert out.shape == (3, m, n) and out.dtype == torch.bfloat16
+    starts = [0, 4, 4]
+    for i, (start, size) in enumerate(zip(starts, sizes)):
+        expected = x[:, start:start + size].float() @ w[start:start + size].float()
+        torch.testing.assert_close(out[i].float(), expected, atol=2e-2, rtol=2e-2)
+    assert torch.equal(out[1], torch.zeros(m, n, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x transposed"):
+        torch_npu.npu_grouped_matmul([x.contiguous()], [w], group_list=group_list,
+                                     split_item=3, group_type=2, group_list_type=list_type)
+    with pytest.raises(RuntimeError, match="covers"):
+        torch_npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([4, 4, 11]),
+                                     split_item=3, group_type=2)
+    with pytest.raises(NotImplementedError, match="bias with group_type=2"):
+        torch_npu.npu_grouped_matmul([x], [w], bias=[torch.zeros(3, n)],
+                                     group_list=group_list, split_item=3, group_type=2,
+                                     group_list_type=list_type)
+
+
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"group_list": [2, 4]}, NotImplementedError, "Tensor group_list"),
     ({"group_list": _groups([4, 2])}, RuntimeError, "non-decreasing"),
@@ -216,6 +263,8 @@ def test_grouped_matmul_multi_weight_float_with_bias(torch_npu):
     ({"group_list": _groups([6])}, RuntimeError, "one per weight group"),
     ({"split_item": 0}, NotImplementedError, "split_item"),
     ({"group_type": -1}, NotImplementedError, "group_type"),
+    ({"group_type": 1}, RuntimeError, "group_type=1"),
+    ({"group_type": 2}, RuntimeError, "group_type -1 and 0 only"),
     ({"act_type": 5}, NotImplementedError, "act_type"),
     ({"output_dtype": torch.float16}, RuntimeError, "scale has dtype"),
     ({"output_dtype": None}, NotImplementedError, "output_dtype"),

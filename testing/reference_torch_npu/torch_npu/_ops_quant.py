@@ -24,6 +24,9 @@ from torch_npu._unmodelled import refuse_unmodelled
 
 _INT4_MIN, _INT4_MAX = -8, 7
 _INT8_MIN, _INT8_MAX = -128, 127
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+# The page's int32 output; torch_npu's binding names it by torch.qint32 (or torch.int32).
+_INT32_OUTPUTS = (torch.qint32, torch.int32)
 _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_INNER = 65535
@@ -127,8 +130,10 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
       the last.
     - ``dtype``: ``torch.qint8`` (int8 out, saturated to [-128, 127]) in both modes;
       ``torch.quint4x2`` with ``div_mode=False`` (values saturated to [-8, 7] and packed
-      eight per int32, so the last dim must be a multiple of 8). ``torch.quint8`` and
-      ``torch.int32`` outputs are not modelled.
+      eight per int32, so the last dim must be a multiple of 8); ``torch.qint32`` (or
+      ``torch.int32``) with ``div_mode=True``: int32 out, rounded half to even (as the
+      int8 outputs) and saturated to the int32 range. ``torch.quint8`` output is not
+      modelled.
     """
     _require_tensor("input", input)
     _require_tensor("scales", scales)
@@ -137,14 +142,18 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
     _require_not_empty("scales", scales)
     if not isinstance(div_mode, bool):
         raise TypeError(f"div_mode must be a bool, got {type(div_mode).__name__}.")
-    if dtype in (torch.quint8, torch.int32):
+    if dtype == torch.quint8:
         raise NotImplementedError(f"dtype={dtype} output is not modelled by the reference "
-                                  "torch_npu; use torch.qint8 or torch.quint4x2.")
-    if dtype not in (torch.qint8, torch.quint4x2):
-        raise RuntimeError(f"dtype must be torch.qint8, torch.quint8, torch.int32 or "
-                           f"torch.quint4x2, got {dtype!r}.")
+                                  "torch_npu; use torch.qint8, torch.qint32 or "
+                                  "torch.quint4x2.")
+    if dtype not in (torch.qint8, torch.quint4x2, *_INT32_OUTPUTS):
+        raise RuntimeError(f"dtype must be torch.qint8, torch.quint8, torch.int32 (or "
+                           f"torch.qint32) or torch.quint4x2, got {dtype!r}.")
     if dtype == torch.quint4x2 and div_mode:
         raise RuntimeError("dtype=torch.quint4x2 needs div_mode=False.")
+    if dtype in _INT32_OUTPUTS and not div_mode:
+        raise RuntimeError(f"dtype={dtype} needs div_mode=True; with div_mode=False the page "
+                           "allows torch.qint8 and torch.quint4x2.")
     dim = _quantize_axis(axis, input.dim(), div_mode)
     if div_mode:
         _require_dtype("scales", scales, (torch.float32, torch.bfloat16),
@@ -169,6 +178,10 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
         values = values + _broadcast_scales("zero_points", zero_points, input, dim,
                                             not div_mode).float()
     rounded = torch.round(values)
+    if dtype in _INT32_OUTPUTS:
+        # Clamped in float64: float32 cannot hold 2**31 - 1, and an out-of-range cast to
+        # int32 is undefined.
+        return rounded.double().clamp(_INT32_MIN, _INT32_MAX).to(torch.int32)
     if dtype == torch.qint8:
         return rounded.clamp(_INT8_MIN, _INT8_MAX).to(torch.int8)
     if input.shape[-1] % 8:
@@ -373,6 +386,60 @@ def _group_bounds(group_list: torch.Tensor, list_type: int, rows: int,
     return list(zip(starts, ends, strict=True))
 
 
+def _grouped_matmul_along_k(xt, ws, group_list, list_type, bias, scale, per_token_scale,
+                            output_dtype) -> torch.Tensor:
+    """``npu_grouped_matmul`` with ``group_type=2``, the page's A2/A3 row for grouping along
+    K: ``x`` one 2-D ``(M, K)`` tensor that must be transposed (a ``.t()`` view of a
+    contiguous ``(K, M)``), ``weight`` one 2-D ``(K, N)`` tensor, not transposed;
+    ``group_list`` splits K (a cumsum ending at K, or sizes summing to K); the result is
+    one 3-D ``(g, M, N)`` tensor, ``y[i] = x[:, k_i] @ weight[k_i, :]`` over group i's
+    rows of K (zeros for an empty group). Quantized inputs take group_type -1 and 0 only on
+    A2/A3; ``bias`` is not described for this form and not modelled."""
+    if xt.dtype not in _HALF and xt.dtype != torch.float32:
+        raise RuntimeError(f"x has dtype {xt.dtype}; on A2/A3 quantized grouped matmuls "
+                           "take group_type -1 and 0 only, group_type=2 is not quantized.")
+    if len(ws) != 1:
+        raise RuntimeError(f"group_type=2 takes one weight tensor, got {len(ws)}.")
+    w = ws[0]
+    if xt.dim() != 2 or w.dim() != 2:
+        raise RuntimeError(f"group_type=2 takes 2-D x (M, K) and weight (K, N), got "
+                           f"{tuple(xt.shape)} and {tuple(w.shape)}.")
+    if xt.dtype == torch.float32:
+        raise NotImplementedError("float32 grouped matmuls are not modelled.")
+    if w.dtype != xt.dtype:
+        raise RuntimeError(f"x has dtype {xt.dtype} but weight {w.dtype}; they must match.")
+    for name, value in (("scale", scale), ("per_token_scale", per_token_scale)):
+        if _as_list(name, value):
+            raise RuntimeError(f"{name} belongs to quantized inputs, which group_type=2 "
+                               "does not take on A2/A3.")
+    if _as_list("bias", bias):
+        raise NotImplementedError("bias with group_type=2 is not modelled (the page does "
+                                  "not describe it for A2/A3).")
+    m, k = xt.shape
+    if w.shape[0] != k:
+        raise RuntimeError(f"x {tuple(xt.shape)} and weight {tuple(w.shape)} do not "
+                           "multiply: weight must be (K, N).")
+    n = w.shape[1]
+    if not xt.t().is_contiguous() or (xt.is_contiguous() and m > 1 and k > 1):
+        raise RuntimeError("group_type=2 needs x transposed: pass the .t() view of a "
+                           "contiguous (K, M) tensor.")
+    if not w.is_contiguous():
+        raise RuntimeError("group_type=2 takes weight not transposed (contiguous (K, N)).")
+    if output_dtype not in (None, xt.dtype):
+        raise RuntimeError(f"output_dtype must be None or x's {xt.dtype}, got "
+                           f"{output_dtype}.")
+    if group_list.dim() == 1 and group_list.shape[0] > _GMM_MAX_GROUPS:
+        raise RuntimeError(f"{group_list.shape[0]} groups exceed the limit of "
+                           f"{_GMM_MAX_GROUPS}.")
+    groups = group_list.shape[0] if group_list.dim() == 1 else 0
+    bounds = _group_bounds(group_list, list_type, k, groups)
+    out = torch.zeros(len(bounds), m, n, dtype=torch.float32)
+    for i, (start, end) in enumerate(bounds):
+        if end > start:
+            out[i] = xt[:, start:end].float() @ w[start:end].float()
+    return out.to(xt.dtype)
+
+
 def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
                        antiquant_offset=None, per_token_scale=None, group_list=None,
                        activation_input=None, activation_quant_scale=None,
@@ -409,6 +476,9 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
       float16 output; ``per_token_scale`` None or ``[(M,) float32]``; ``bias`` None or
       int32 per group: ``y = (x @ w + bias) * scale * per_token_scale``.
 
+    ``group_type=2`` groups along K instead (the single-single-single form, not quantized):
+    see ``_grouped_matmul_along_k``.
+
     Not modelled (``NotImplementedError``): a list ``group_list``, ``group_type`` -1,
     ``group_list_type=2``, ``split_item`` 0/1, several x tensors, antiquant (fake-quant)
     weights, int4 inputs, int64 scales / int8 output, ``act_type`` other than 0,
@@ -438,10 +508,10 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     _require_int("split_item", split_item, {0, 1, 2, 3})
     if split_item in (0, 1):
         raise NotImplementedError("split_item 0/1 (one output per group) is not modelled.")
-    if group_type != 0:
+    if group_type not in (0, 2):
         if group_type == -1:
             raise NotImplementedError("group_type=-1 (no grouping) is not modelled.")
-        raise RuntimeError(f"group_type={group_type!r}: A2/A3 support -1 and 0.")
+        raise RuntimeError(f"group_type={group_type!r}: A2/A3 support -1, 0 and 2.")
     _require_int("group_list_type", group_list_type, {0, 1, 2})
     if group_list_type == 2:
         raise NotImplementedError("group_list_type=2 ([E, 2] pairs) is not modelled.")
@@ -451,6 +521,9 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
                                   "modelled.")
     if len(xs) != 1:
         raise NotImplementedError("several x tensors (multi-multi forms) are not modelled.")
+    if group_type == 2:
+        return [_grouped_matmul_along_k(xs[0], ws, group_list, group_list_type, bias, scale,
+                                        per_token_scale, output_dtype)]
     if len(ws) > _GMM_MAX_LIST:
         raise RuntimeError(f"weight holds {len(ws)} tensors; the list is at most "
                            f"{_GMM_MAX_LIST} long.")
