@@ -146,6 +146,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1):
         self.kv_port = config.kv_port
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = parallel.tensor_parallel_size
+        self.world_size = parallel.world_size
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _SchedulerSide(self)
             self._worker = None
@@ -162,7 +163,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]):
         return self._scheduler.request_finished(request, block_ids)
@@ -211,9 +212,33 @@ class MooncakeConnectorV1(KVConnectorBase_V1):
             self._worker.shutdown()
 
 
+def _idle_step_pause_s(world_size: int) -> float:
+    """How long the engine waits before a step that follows an empty one.
+
+    While a prefill node holds blocks for decode nodes, or a decode node waits for its
+    pulls, vLLM's engine keeps stepping with nothing to compute. With one process per
+    rank, each step wakes every worker, and a worker woken within vLLM's busy-loop
+    window (``SpinCondition``'s ``busy_loop_s``, 1 s) spins on ``sched_yield`` instead
+    of sleeping: measured on 2 cores, a TP 2 prefill node's spinning workers starved
+    their own side channel and transfer engine, and one pull took minutes. Pausing past
+    that window lets them sleep; a single-process engine only needs the loop slowed.
+    """
+    if world_size <= 1:
+        return 0.01
+    import inspect
+
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    busy_loop = inspect.signature(SpinCondition.__init__).parameters.get("busy_loop_s")
+    window = busy_loop.default if busy_loop is not None else 1.0
+    return float(window) + 0.1
+
+
 class _SchedulerSide:
     def __init__(self, connector: MooncakeConnectorV1):
         self.connector = connector
+        self._idle_pause_s = _idle_step_pause_s(connector.world_size)
+        self._last_step_empty = False
         self._parsed: dict[str, Any] = {}  # request id -> RemotePrefill, until allocated
         self._pulls: list[PullTask] = []
         self._leases: dict[str, list[int]] = {}
@@ -265,7 +290,14 @@ class _SchedulerSide:
         request.kv_transfer_params["do_remote_prefill"] = False
         del self._parsed[request.request_id]
 
-    def build_connector_meta(self) -> MooncakeConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> MooncakeConnectorMetadata:
+        # Two empty steps in a row: the engine only waits on leases, pulls or free blocks.
+        empty = (not scheduler_output.total_num_scheduled_tokens and not self._pulls
+                 and not self._leases)
+        if empty and self._last_step_empty:
+            time.sleep(self._idle_pause_s)
+        self._last_step_empty = empty
         meta = MooncakeConnectorMetadata(pulls=self._pulls, leases=self._leases)
         self._pulls, self._leases = [], {}
         return meta
