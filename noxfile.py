@@ -208,11 +208,8 @@ def e2e(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tests" / "e2e" / "tiny_medusa.py"))
     # Two test files at a time: an engine start is mostly one core's Python work, so two
     # files' engines overlap well on a 2-core machine (module-scoped engines stay per file).
-    # Not in the default run: with other engines beside it, prefill TP 2 -> decode TP 1
-    # stalls (issue 12, open). Run it alone: .nox/e2e/bin/pytest tests/e2e/test_pd_disagg_tp.py
     session.run("pytest", str(ROOT / "tests" / "e2e"), "-v", "--durations=25",
                 "-n", "2", "--dist", "loadfile",
-                f"--ignore={ROOT / 'tests' / 'e2e' / 'test_pd_disagg_tp.py'}",
                 *session.posargs, env=DEMO_MODEL_ENV)
     # The leaf packages' tests that need vLLM, one process per package, from its tests folder
     # (its conftest) as rootdir; ascend-specdec's one per file (vLLM's Triton dispatcher scans

@@ -194,6 +194,7 @@ def decode_log_since(pd, start: int) -> str:
 def test_forged_kv_transfer_params_are_refused_and_the_prompt_recomputed(pd, reference):
     prompt = PROMPTS[1]
     params = prefilled(pd, prompt)
+    other = prefilled(pd, PROMPTS[2])  # a live lease, on another prompt's blocks
     mark = len(pathlib.Path(pd.decode_log).read_text())
     before = counters(pd.decode)
     forged = [
@@ -201,6 +202,7 @@ def test_forged_kv_transfer_params_are_refused_and_the_prompt_recomputed(pd, ref
          "remote_engine_id 'prefill-9' is not the engine at 127.0.0.1:"),
         ({**params, "remote_block_ids": [99999]}, "holds block id 99999, outside the cache's"),
         ({**params, "remote_block_ids": [0, 1]}, "remote_block_ids has 2 blocks, but this"),
+        (other, "hold the KV of another prompt than the claim's"),
     ]
     for forgery, _ in forged:
         assert text(completion(pd.decode, prompt, kv_transfer_params=forgery)) == \
@@ -209,12 +211,14 @@ def test_forged_kv_transfer_params_are_refused_and_the_prompt_recomputed(pd, ref
     for _, message in forged:
         assert message in log, log[-3000:]
     after = counters(pd.decode)
-    # Two reached the prefill node and were refused there (load errors, recomputed); the
-    # third never left the scheduler (computed here from the start).
-    assert after["vllm:ascend_pd_failed_pulls"] - before["vllm:ascend_pd_failed_pulls"] == 2
+    # Three reached the prefill node and were refused there (load errors, recomputed); the
+    # other never left the scheduler (computed here from the start).
+    assert after["vllm:ascend_pd_failed_pulls"] - before["vllm:ascend_pd_failed_pulls"] == 3
     # The real parameters still pull: the forgeries did not free or spoil the blocks.
     assert text(completion(pd.decode, prompt, kv_transfer_params=params)) == reference[prompt]
-    assert counters(pd.decode)["vllm:ascend_pd_pulls"] == after["vllm:ascend_pd_pulls"] + 1
+    assert text(completion(pd.decode, PROMPTS[2], kv_transfer_params=other)) == \
+        reference[PROMPTS[2]]
+    assert counters(pd.decode)["vllm:ascend_pd_pulls"] == after["vllm:ascend_pd_pulls"] + 2
 
 
 @pytest.mark.parametrize("peer", ["nothing", "an HTTP server"])

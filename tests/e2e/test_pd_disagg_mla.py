@@ -87,13 +87,23 @@ def test_mla_latent_and_rope_caches_are_pulled_and_answers_equal_the_colocated_o
     assert planes == 2 * layers  # the latent and the rope plane of every layer
 
 
-def test_the_comparison_tells_a_wrong_cache_apart(pd_mla, deepseek):
-    """Prompt 0 answered from prompt 1's pulled cache (a lease the prefill node does hold)
-    parts from prompt 0's colocated answer far from any near-tie."""
+def test_a_lease_on_another_prompt_is_refused_and_the_prompt_recomputed(pd_mla, deepseek):
+    """Prompt 0 sent with prompt 1's kv_transfer_params (a lease the prefill node does
+    hold): the prefill node refuses the claim, since its blocks hold another prompt, so the
+    decode node recomputes prompt 0 instead of answering from prompt 1's cache; the lease
+    is untouched and prompt 1 still pulls it."""
     reference = completion(pd_mla.prefill, deepseek, ALL_PROMPTS[0])
     params = post_json(pd_mla.prefill + "/v1/completions", {
         "model": deepseek, "prompt": ALL_PROMPTS[1], "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
-    wrong = completion(pd_mla.decode, deepseek, ALL_PROMPTS[0], kv_transfer_params=params)
-    with pytest.raises(AssertionError, match="not a near-tie|is not in the top"):
-        assert_equal_up_to_near_ties(as_run([wrong]), as_run([reference]), "wrong cache")
+    mark = len(open(pd_mla.decode_log).read())
+    before = counters(pd_mla.decode)
+    answer = completion(pd_mla.decode, deepseek, ALL_PROMPTS[0], kv_transfer_params=params)
+    assert_equal_up_to_near_ties(as_run([answer]), as_run([reference]), "recomputed")
+    assert "hold the KV of another prompt than the claim's" in open(pd_mla.decode_log).read()[
+        mark:]
+    after = counters(pd_mla.decode)
+    assert after["vllm:ascend_pd_failed_pulls"] == before["vllm:ascend_pd_failed_pulls"] + 1
+    completion(pd_mla.decode, deepseek, ALL_PROMPTS[1], kv_transfer_params=params)
+    assert counters(pd_mla.decode)["vllm:ascend_pd_pulls"] == after["vllm:ascend_pd_pulls"] + 1
+    wait_for(lambda: kv_cache_usage(pd_mla.prefill) == 0.0, 10, "the prefill node freed it")

@@ -16,7 +16,7 @@ from ascend_core.distributed.kv_transfer.layout import (
     memory_regions,
     read_plan,
 )
-from ascend_core.distributed.kv_transfer.leases import LeaseTable
+from ascend_core.distributed.kv_transfer.leases import LeaseTable, prompt_digest
 from ascend_core.distributed.kv_transfer.params import (
     DEFAULT_LEASE_TIMEOUT_S,
     KVTransferParamsError,
@@ -230,12 +230,12 @@ class Clock:
 def test_lease_lifecycle_claim_release_and_expiry():
     clock = Clock()
     leases = LeaseTable(timeout_s=10, clock=clock)
-    assert leases.claim("r1", [1]).status == "pending"  # not registered by the worker yet
-    leases.add("r1", [1, 2])
-    leases.add("r2", [3])
+    assert leases.claim("r1", [1], "p").status == "pending"  # not registered by the worker yet
+    leases.add("r1", [1, 2], "p")
+    leases.add("r2", [3], "p")
     assert leases.held_blocks() == 3
-    assert leases.claim("r1", [2]).status == "ok"
-    refused = leases.claim("r1", [2, 9])
+    assert leases.claim("r1", [2], "p").status == "ok"
+    refused = leases.claim("r1", [2, 9], "p")
     assert refused.status == "refused" and "block id 9 is not one of the 2 blocks" in \
         refused.message
     assert leases.release("r1")
@@ -243,8 +243,8 @@ def test_lease_lifecycle_claim_release_and_expiry():
     released, expired = leases.take_finished()
     assert (released, expired) == ({"r1"}, {"r2"})
     assert leases.held_blocks() == 0
-    assert "already pulled" in leases.claim("r1", [1]).message
-    late = leases.claim("r2", [3])
+    assert "already pulled" in leases.claim("r1", [1], "p").message
+    late = leases.claim("r2", [3], "p")
     assert late.status == "refused" and "lease expired after 10 s" in late.message
     assert leases.take_finished() == (set(), set())
 
@@ -252,10 +252,24 @@ def test_lease_lifecycle_claim_release_and_expiry():
 def test_a_claim_renews_the_lease_so_a_read_in_progress_does_not_expire():
     clock = Clock()
     leases = LeaseTable(timeout_s=10, clock=clock)
-    leases.add("r", [0])
+    leases.add("r", [0], "p")
     clock.now += 8
-    assert leases.claim("r", [0]).status == "ok"
+    assert leases.claim("r", [0], "p").status == "ok"
     clock.now += 8  # 16 s after the start, 8 after the claim
     assert leases.take_finished() == (set(), set())
     clock.now += 3
     assert leases.take_finished() == (set(), {"r"})
+
+
+def test_a_lease_is_claimed_only_for_the_prompt_its_blocks_hold():
+    digest = prompt_digest([5, 6, 7])
+    assert digest == prompt_digest((5, 6, 7)) and len(digest) == 32
+    assert len({digest, prompt_digest([5, 6, 8]), prompt_digest([5, 6]),
+                prompt_digest([6, 5, 7])}) == 4
+    assert prompt_digest(None) is None  # a prompt given as embeddings
+    leases = LeaseTable(timeout_s=10)
+    leases.add("r", [4], digest)
+    for other in (prompt_digest([5, 6, 8]), None):
+        refused = leases.claim("r", [4], other)
+        assert refused.status == "refused" and "another prompt" in refused.message
+    assert leases.claim("r", [4], digest).status == "ok"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ascend_core.distributed.kv_transfer.layout import describe_kv_caches, memory_regions
-from ascend_core.distributed.kv_transfer.leases import LeaseTable
+from ascend_core.distributed.kv_transfer.leases import LeaseTable, prompt_digest
 from ascend_core.distributed.kv_transfer.params import RemotePrefill
 from ascend_core.distributed.kv_transfer.pull import (
     DecodeSide,
@@ -25,6 +25,7 @@ from ascend_core.distributed.kv_transfer.side_channel import SideChannelServer
 from ascend_core.distributed.kv_transfer.transfer_engine import MooncakeEngine
 
 HOST = "127.0.0.1"
+PROMPT = prompt_digest([11, 12, 13])  # the prompt whose KV every lease here holds
 NUM_BLOCKS, BLOCK_SIZE = 8, 16
 SHAPE = (NUM_BLOCKS, 2, 2, BLOCK_SIZE, 32)  # [blocks, K/V, kv heads, tokens, head size]
 
@@ -82,13 +83,17 @@ def remote(prefill, request_id, block_ids, engine_id="prefill-0", port=None):
                          port=port or prefill.port, block_ids=tuple(block_ids), tp_size=1)
 
 
+def pull_task(request_id, local_block_ids, remote_prefill, prompt=PROMPT) -> PullTask:
+    return PullTask(request_id, local_block_ids, remote_prefill, prompt)
+
+
 def untouched(decode) -> bool:
     return all(not cache.any() for cache in decode.caches.values())
 
 
 def test_pull_copies_the_requests_blocks_and_nothing_else(prefill, decode):
-    prefill.leases.add("p-1", [5, 2, 6])
-    read = decode.decode_side().pull(PullTask("d-1", (1, 3, 4), remote(prefill, "p-1",
+    prefill.leases.add("p-1", [5, 2, 6], PROMPT)
+    read = decode.decode_side().pull(pull_task("d-1", (1, 3, 4), remote(prefill, "p-1",
                                                                        [5, 2, 6])))
     block_bytes = SHAPE[1] * SHAPE[2] * SHAPE[3] * SHAPE[4] * 4
     assert read == 3 * 2 * block_bytes
@@ -101,8 +106,8 @@ def test_pull_copies_the_requests_blocks_and_nothing_else(prefill, decode):
 
 
 def test_a_decode_prefix_hit_pulls_only_the_missing_blocks(prefill, decode):
-    prefill.leases.add("p-2", [0, 1, 2])
-    decode.decode_side().pull(PullTask("d-2", (7,), remote(prefill, "p-2", [0, 1, 2])))
+    prefill.leases.add("p-2", [0, 1, 2], PROMPT)
+    decode.decode_side().pull(pull_task("d-2", (7,), remote(prefill, "p-2", [0, 1, 2])))
     for name, cache in decode.caches.items():
         assert torch.equal(cache[7], prefill.caches[name][2])
         assert not cache[:7].any()
@@ -110,9 +115,9 @@ def test_a_decode_prefix_hit_pulls_only_the_missing_blocks(prefill, decode):
 
 
 def test_a_claim_that_arrives_before_the_lease_waits_for_it(prefill, decode):
-    timer = threading.Timer(0.3, prefill.leases.add, args=("p-3", [4]))
+    timer = threading.Timer(0.3, prefill.leases.add, args=("p-3", [4], PROMPT))
     timer.start()
-    decode.decode_side().pull(PullTask("d-3", (0,), remote(prefill, "p-3", [4])))
+    decode.decode_side().pull(pull_task("d-3", (0,), remote(prefill, "p-3", [4])))
     timer.join()
     assert torch.equal(next(iter(decode.caches.values()))[0],
                        next(iter(prefill.caches.values()))[4])
@@ -120,8 +125,8 @@ def test_a_claim_that_arrives_before_the_lease_waits_for_it(prefill, decode):
 
 
 def test_a_release_without_blocks_frees_the_lease(prefill, decode):
-    prefill.leases.add("p-4", [3])
-    assert decode.decode_side().pull(PullTask("d-4", (), remote(prefill, "p-4", [3]))) == 0
+    prefill.leases.add("p-4", [3], PROMPT)
+    assert decode.decode_side().pull(pull_task("d-4", (), remote(prefill, "p-4", [3]))) == 0
     assert prefill.leases.take_finished() == ({"p-4"}, set())
     assert untouched(decode)
 
@@ -135,14 +140,14 @@ def test_a_release_without_blocks_frees_the_lease(prefill, decode):
 ])
 def test_forged_kv_transfer_params_are_refused_and_nothing_is_written(
         prefill, decode, engine_id, block_ids, message):
-    prefill.leases.add("p-5", [5, 6])
-    task = PullTask("d-5", (0, 1), remote(prefill, "p-5", block_ids, engine_id=engine_id))
+    prefill.leases.add("p-5", [5, 6], PROMPT)
+    task = pull_task("d-5", (0, 1), remote(prefill, "p-5", block_ids, engine_id=engine_id))
     with pytest.raises(PullError, match=message) as err:
         decode.decode_side().pull(task)
     assert "\n" not in str(err.value)
     assert untouched(decode)
     # The real lease is still there for the real decode request.
-    decode.decode_side().pull(PullTask("d-5", (0, 1), remote(prefill, "p-5", [5, 6])))
+    decode.decode_side().pull(pull_task("d-5", (0, 1), remote(prefill, "p-5", [5, 6])))
     prefill.leases.take_finished()
 
 
@@ -154,12 +159,12 @@ def test_an_expired_lease_is_refused(decode):
                        f"{HOST}:{port}")
     server = SideChannelServer(HOST, port, side.handle)
     try:
-        node.leases.add("p-6", [1])
+        node.leases.add("p-6", [1], PROMPT)
         time.sleep(0.3)
         assert node.leases.take_finished() == (set(), {"p-6"})
         with pytest.raises(PullError, match=r"no longer held here: their lease expired "
                                             r"after 0.2 s"):
-            decode.decode_side().pull(PullTask("d-6", (2,), RemotePrefill(
+            decode.decode_side().pull(pull_task("d-6", (2,), RemotePrefill(
                 "prefill-1", "p-6", HOST, port, (1,), 1)))
         assert untouched(decode)
     finally:
@@ -171,7 +176,7 @@ def test_a_dead_prefill_node_fails_the_pull_within_the_timeout(prefill, decode):
     with pytest.raises(PullError, match=r"no answer from the prefill node's side channel at "
                                         r"tcp://127.0.0.1:\d+ within"):
         decode.decode_side(timeout_s=0.5).pull(
-            PullTask("d-7", (0,), remote(prefill, "p-7", [0], port=free_port())))
+            pull_task("d-7", (0,), remote(prefill, "p-7", [0], port=free_port())))
     assert time.monotonic() - started < 3
     assert untouched(decode)
 
@@ -179,10 +184,10 @@ def test_a_dead_prefill_node_fails_the_pull_within_the_timeout(prefill, decode):
 def test_another_models_cache_is_refused_before_any_read(prefill):
     deeper = Node(num_layers=3)
     deeper.zero()
-    prefill.leases.add("p-8", [1])
+    prefill.leases.add("p-8", [1], PROMPT)
     with pytest.raises(PullError, match=r"serves a different model: its KV cache has 2 "
                                         r"planes, this node's 3"):
-        deeper.decode_side().pull(PullTask("d-8", (0,), remote(prefill, "p-8", [1])))
+        deeper.decode_side().pull(pull_task("d-8", (0,), remote(prefill, "p-8", [1])))
     assert untouched(deeper)
     # Refused after the claim: the lease is released, not left to expire.
     assert prefill.leases.take_finished()[0] == {"p-8"}
@@ -219,7 +224,7 @@ def test_prefill_tp_2_to_decode_tp_1_assembles_each_block_from_both_ranks():
         engine = MooncakeEngine(HOST, "tcp")
         engine.register(memory_regions(caches))
         leases = LeaseTable(timeout_s=30)
-        leases.add("p-tp", [6, 1])
+        leases.add("p-tp", [6, 1], PROMPT)
         side = PrefillSide("prefill-tp2", engine.session, layout, leases, f"{HOST}:{base + rank}")
         ranks.append((caches, leases, SideChannelServer(HOST, base + rank, side.handle), engine))
     decode_caches = {f"layer.{i}": torch.zeros(NUM_BLOCKS, 2, 2 * BLOCK_SIZE, 32)
@@ -229,7 +234,7 @@ def test_prefill_tp_2_to_decode_tp_1_assembles_each_block_from_both_ranks():
     engine.register(memory_regions(decode_caches))
     try:
         side = DecodeSide(engine, decode_layout, tp_rank=0, tp_size=1, timeout_s=2)
-        read = side.pull(PullTask("d-tp", (2, 3), RemotePrefill(
+        read = side.pull(pull_task("d-tp", (2, 3), RemotePrefill(
             "prefill-tp2", "p-tp", HOST, base, (6, 1), tp_size=2)))
         assert read == 2 * 2 * 2 * (2 * BLOCK_SIZE * 32 * 4)  # blocks x layers x ranks
         for name, cache in decode_caches.items():
@@ -258,3 +263,19 @@ def test_a_kv_port_in_use_is_refused_with_the_address_and_what_to_change(prefill
     # The server that holds the port still answers on it.
     assert ask(HOST, prefill.port, {"op": "release", "engine_id": "prefill-0",
                                     "request_id": "nobody"}, 2.0) == {"status": "ok"}
+
+
+@pytest.mark.parametrize("lease,prompt", [("p-9", prompt_digest([11, 12, 14])), ("p-10", None)])
+def test_a_claim_for_another_prompt_is_refused_and_reads_nothing(prefill, decode, lease,
+                                                                 prompt):
+    """A decode request whose prompt is not the one the leased blocks hold (forged or stale
+    kv_transfer_params, or a prompt given as embeddings) never reads them; the lease stays
+    for the request it belongs to."""
+    prefill.leases.add(lease, [2, 3], PROMPT)
+    with pytest.raises(PullError, match="hold the KV of another prompt than the claim's"):
+        decode.decode_side().pull(pull_task("d-9", (0, 1), remote(prefill, lease, [2, 3]),
+                                            prompt=prompt))
+    assert untouched(decode)
+    decode.decode_side().pull(pull_task("d-9", (0, 1), remote(prefill, lease, [2, 3])))
+    assert torch.equal(decode.caches[next(iter(decode.caches))][0],
+                       prefill.caches[next(iter(prefill.caches))][2])

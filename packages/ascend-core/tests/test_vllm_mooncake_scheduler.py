@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 from vllm.v1.request import RequestStatus
 
+from ascend_core.distributed.kv_transfer.leases import prompt_digest
 from ascend_core.distributed.kv_transfer.params import parse_options
 from ascend_core.distributed.kv_transfer.vllm_mooncake_connector import _SchedulerSide
 
@@ -25,6 +26,7 @@ def scheduler(role: str) -> _SchedulerSide:
 def request(request_id: str, tokens: int, params: dict | None,
             status=RequestStatus.FINISHED_LENGTH_CAPPED):
     return SimpleNamespace(request_id=request_id, num_prompt_tokens=tokens,
+                           prompt_token_ids=list(range(100, 100 + tokens)),
                            kv_transfer_params=params, status=status)
 
 
@@ -55,7 +57,9 @@ def test_a_producer_keeps_a_finished_prefills_blocks_and_says_where(role):
                       "remote_engine_id": f"{role}-0", "remote_request_id": "r1",
                       "remote_host": "127.0.0.1", "remote_port": 14579,
                       "remote_block_ids": [7, 8], "remote_tp_size": 1}
-    assert side.build_connector_meta(STEP).leases == {"r1": [7, 8]}
+    # The lease carries which prompt the blocks hold; a decode claim must name the same.
+    assert side.build_connector_meta(STEP).leases == {
+        "r1": ([7, 8], prompt_digest(list(range(100, 120))))}
     assert side.build_connector_meta(STEP).leases == {}  # handed to the workers once
     # An aborted prefill keeps nothing.
     aborted = request("r2", 20, {"do_remote_decode": True},
@@ -74,6 +78,7 @@ def test_a_consumer_waits_for_the_pull_of_exactly_the_blocks_it_lacks(role):
     side.update_state_after_alloc(decode, Blocks([11]), 4)  # block 0 was a local prefix hit
     (pull,) = side.build_connector_meta(STEP).pulls
     assert (pull.request_id, pull.local_block_ids) == ("d1", (11,))
+    assert pull.prompt == prompt_digest(list(range(100, 120)))  # what its claim names
     assert (pull.remote.request_id, pull.remote.block_ids) == ("cmpl-p", (3, 4))
     assert decode.kv_transfer_params["do_remote_prefill"] is False  # pulled once
     # A full local hit pulls nothing but still frees the prefill node's blocks.

@@ -4,12 +4,15 @@ A lease starts when the prefill request finishes (its blocks are kept, not freed
 A decode node *claims* it before reading (which also renews it, so it cannot expire
 mid-read) and *releases* it after. A lease nobody claims within the timeout expires:
 its blocks go back to vLLM and a late claim is refused, so a decode node never reads
-blocks that were handed to another request. Thread-safe: the side channel's thread
+blocks that were handed to another request. A lease remembers a digest of the prompt its
+blocks hold (``prompt_digest``); a claim for another prompt is refused, so a decode
+request can only ever read the KV of its own prompt. Thread-safe: the side channel's thread
 claims and releases while the worker's step collects finished leases. No vLLM.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import OrderedDict
@@ -20,10 +23,19 @@ from dataclasses import dataclass
 _ENDED_MEMORY = 4096
 
 
+def prompt_digest(token_ids: Sequence[int] | None) -> str | None:
+    """A short digest of a prompt's token ids (None for a prompt given as embeddings)."""
+    if token_ids is None:
+        return None
+    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids)
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
 @dataclass
 class _Lease:
     block_ids: tuple[int, ...]
     deadline: float
+    prompt: str | None  # prompt_digest of the prompt whose KV the blocks hold
 
 
 @dataclass(frozen=True)
@@ -41,12 +53,12 @@ class LeaseTable:
         self._released: set[str] = set()
         self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> why
 
-    def add(self, request_id: str, block_ids: Sequence[int]) -> None:
+    def add(self, request_id: str, block_ids: Sequence[int], prompt: str | None) -> None:
         with self._lock:
             self._leases[request_id] = _Lease(tuple(block_ids),
-                                              self._clock() + self.timeout_s)
+                                              self._clock() + self.timeout_s, prompt)
 
-    def claim(self, request_id: str, block_ids: Sequence[int]) -> Claim:
+    def claim(self, request_id: str, block_ids: Sequence[int], prompt: str | None) -> Claim:
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None or request_id in self._released:
@@ -59,6 +71,9 @@ class LeaseTable:
             if self._clock() > lease.deadline:
                 return Claim("refused", f"the lease on request {request_id!r}'s blocks "
                                         f"expired after {self.timeout_s:g} s")
+            if prompt is None or prompt != lease.prompt:
+                return Claim("refused", f"the blocks of request {request_id!r} hold the KV "
+                                        f"of another prompt than the claim's")
             outside = [b for b in block_ids if b not in set(lease.block_ids)]
             if outside:
                 return Claim("refused",

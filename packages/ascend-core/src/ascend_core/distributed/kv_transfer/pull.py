@@ -2,11 +2,12 @@
 
 Decode worker, per request: *claim* the lease on the side channel of each prefill rank
 it reads (the same rank when both sides have equal TP sizes; ``k`` ranks when the
-prefill node has ``k`` times the decode node's TP size), which checks the engine id and
-the block ids and renews the lease; check that the caches fit; read every plane's
-blocks with one batched read per prefill rank; then *release* the leases. Every
-failure is reported, never retried into a half-written cache: the caller marks the
-request's local blocks as failed to load. No vLLM.
+prefill node has ``k`` times the decode node's TP size), which checks the engine id, the
+block ids and that the blocks hold the decode request's own prompt, and renews the lease;
+check that the caches fit; read every plane's blocks with one batched read per prefill
+rank; then *release* the leases. Every failure is reported, never retried into a
+half-written cache: the caller marks the request's local blocks as failed to load. No
+vLLM.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class PullTask:
     request_id: str  # this (decode) instance's request id
     local_block_ids: tuple[int, ...]  # empty: nothing to read, only release the lease
     remote: RemotePrefill
+    prompt: str | None = None  # leases.prompt_digest of this request's prompt
 
 
 class PrefillSide:
@@ -76,7 +78,7 @@ class PrefillSide:
                             "kv_transfer_params remote_block_ids")
         except KVLayoutError as err:
             return {"status": "refused", "message": str(err)}
-        claim = self.leases.claim(request_id, block_ids)
+        claim = self.leases.claim(request_id, block_ids, message.get("prompt"))
         if claim.status != "ok":
             return {"status": claim.status, "message": claim.message}
         return {"status": "ok", "session": self.session, "layout": self.layout.to_wire()}
@@ -115,11 +117,12 @@ class DecodeSide:
                                remote.port + rank, err)
 
     def _claim(self, remote: RemotePrefill, rank: int, block_ids: list[int],
-               deadline: float) -> dict:
+               prompt: str | None, deadline: float) -> dict:
         where = f"{remote.host}:{remote.port + rank}"
+        message = {"op": "claim", "block_ids": block_ids, "prompt": prompt}
         while True:
             try:
-                reply = self._ask(remote, rank, {"op": "claim", "block_ids": block_ids},
+                reply = self._ask(remote, rank, message,
                                   max(deadline - time.monotonic(), 0.05))
             except SideChannelError as err:
                 raise PullError(str(err)) from err
@@ -150,7 +153,7 @@ class DecodeSide:
         try:
             plans = []
             for index, rank in enumerate(ranks):
-                reply = self._claim(remote, rank, remote_ids, deadline)
+                reply = self._claim(remote, rank, remote_ids, task.prompt, deadline)
                 claimed.append(rank)
                 try:
                     remote_layout = KVLayout.from_wire(reply["layout"])

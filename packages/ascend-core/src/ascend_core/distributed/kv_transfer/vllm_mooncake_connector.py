@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ascend_core.distributed.kv_transfer.layout import describe_kv_caches, memory_regions
-from ascend_core.distributed.kv_transfer.leases import LeaseTable
+from ascend_core.distributed.kv_transfer.leases import LeaseTable, prompt_digest
 from ascend_core.distributed.kv_transfer.params import (
     KVTransferParamsError,
     check_parallel_sizes,
@@ -64,7 +64,8 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
 
     pulls: list[PullTask] = field(default_factory=list)  # decode: blocks to fill
-    leases: dict[str, list[int]] = field(default_factory=dict)  # prefill: blocks kept
+    # prefill: request id -> (blocks kept, prompt_digest of the prompt they hold)
+    leases: dict[str, tuple[list[int], str | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -241,7 +242,7 @@ class _SchedulerSide:
         self._last_step_empty = False
         self._parsed: dict[str, Any] = {}  # request id -> RemotePrefill, until allocated
         self._pulls: list[PullTask] = []
-        self._leases: dict[str, list[int]] = {}
+        self._leases: dict[str, tuple[list[int], str | None]] = {}
 
     def _remote_prefill(self, request: Request):
         """The request's checked RemotePrefill, or None (then it is computed here)."""
@@ -286,7 +287,8 @@ class _SchedulerSide:
             return
         # Blocks a local prefix-cache hit filled are hashed; the others are to pull.
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        self._pulls.append(PullTask(request.request_id, tuple(local), remote))
+        self._pulls.append(PullTask(request.request_id, tuple(local), remote,
+                                    prompt_digest(request.prompt_token_ids)))
         request.kv_transfer_params["do_remote_prefill"] = False
         del self._parsed[request.request_id]
 
@@ -327,7 +329,8 @@ class _SchedulerSide:
         if (request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                    RequestStatus.FINISHED_STOPPED) or not block_ids):
             return False, None
-        self._leases[request.request_id] = list(block_ids)
+        self._leases[request.request_id] = (list(block_ids),
+                                            prompt_digest(request.prompt_token_ids))
         return True, remote_prefill_params(
             engine_id=connector.engine_id, request_id=request.request_id,
             host=connector.host, port=connector.kv_port, block_ids=list(block_ids),
@@ -392,8 +395,8 @@ class _WorkerSide:
                     f", side channel {self.server.address}" if self.server else "")
 
     def start(self, meta: MooncakeConnectorMetadata) -> None:
-        for request_id, block_ids in meta.leases.items():
-            self.leases.add(request_id, block_ids)
+        for request_id, (block_ids, prompt) in meta.leases.items():
+            self.leases.add(request_id, block_ids, prompt)
         for task in meta.pulls:
             future = self._pool.submit(self._timed_pull, task)
             if task.local_block_ids:
