@@ -19,7 +19,7 @@ from test_npu_target import NPU, TOP_LOGPROBS, assert_equal_up_to_near_ties
 from ascend_plugin.pd_serving import running_pd
 from ascend_plugin.serving import post_json
 
-from pd_runs import ALL_PROMPTS, counters, kv_cache_usage, wait_for
+from pd_runs import ALL_PROMPTS, counters, kv_cache_usage, mixed_prompts, wait_for
 
 # Weights wide enough that the model's next-token choices are clear (at the default 0.02 a
 # random model is nearly uniform, and any cache, right or wrong, gives near-ties).
@@ -107,3 +107,33 @@ def test_a_lease_on_another_prompt_is_refused_and_the_prompt_recomputed(pd_mla, 
     completion(pd_mla.decode, deepseek, ALL_PROMPTS[1], kv_transfer_params=params)
     assert counters(pd_mla.decode)["vllm:ascend_pd_pulls"] == after["vllm:ascend_pd_pulls"] + 1
     wait_for(lambda: kv_cache_usage(pd_mla.prefill) == 0.0, 10, "the prefill node freed it")
+
+
+@pytest.fixture(scope="module")
+def pd_mla_host(deepseek, tmp_path_factory):
+    """The same model through vLLM's own CPU MLA backend (host target): one cache tensor
+    per layer, latent and rope side by side in each token's row."""
+    logs = tmp_path_factory.mktemp("pd_mla_host")
+    with running_pd(deepseek, str(logs), extra_args=["--enforce-eager", "--dtype", "bfloat16"],
+                    cpus=("0", "1"), env={"VLLM_ASCEND_TARGET": "host"}) as deployment:
+        yield deployment
+
+
+def test_host_target_mla_32_concurrent_requests_answer_what_the_colocated_server_does(
+        pd_mla_host, deepseek):
+    prompts = mixed_prompts()  # short, held-out ~100-token, and 3+ block prompts
+    reference = [completion(pd_mla_host.prefill, deepseek, prompt) for prompt in prompts]
+    before = counters(pd_mla_host.decode)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: completion(pd_mla_host.proxy, deepseek, p), prompts))
+    assert_equal_up_to_near_ties(as_run(answers), as_run(reference), "host MLA PD vs colocated")
+    assert sum(a[0] == r[0] for a, r in zip(answers, reference)) >= len(prompts) - 4
+    after = counters(pd_mla_host.decode)
+    assert after["vllm:ascend_pd_pulls"] - before["vllm:ascend_pd_pulls"] == len(prompts)
+    assert after["vllm:ascend_pd_failed_pulls"] == before["vllm:ascend_pd_failed_pulls"]
+    wait_for(lambda: kv_cache_usage(pd_mla_host.prefill) == 0.0, 10,
+             "the prefill server freed its blocks")
+    log = open(pd_mla_host.prefill_log).read()
+    planes = int(re.search(r"MooncakeConnectorV1 \(kv_producer, rank 0\): (\d+) KV planes",
+                           log).group(1))
+    assert planes == json.load(open(f"{deepseek}/config.json"))["num_hidden_layers"]
