@@ -192,6 +192,47 @@ def test_known_deviations_have_defaults(torch_npu, op, argument):
     assert parameter.default is not inspect.Parameter.empty
 
 
+# --- calls in the schema's form -----------------------------------------------------------------
+
+
+def test_schema_self_is_input_by_keyword(torch_npu):
+    # npu_rms_norm(Tensor self, ...) and npu_dynamic_quant(Tensor input, ...): the Python
+    # binding's first argument is "input" in both.
+    x = torch.randn(2, 8, dtype=torch.float16)
+    y, _ = torch_npu.npu_rms_norm(input=x, gamma=torch.ones(8, dtype=torch.float16))
+    assert torch.equal(y, torch_npu.npu_rms_norm(x, torch.ones(8, dtype=torch.float16))[0])
+    quantized, scale = torch_npu.npu_dynamic_quant(input=x)
+    assert quantized.dtype == torch.int8 and scale.shape == (2,)
+    with pytest.raises(TypeError):
+        torch_npu.npu_rms_norm(self=x, gamma=torch.ones(8, dtype=torch.float16))
+    with pytest.raises(TypeError):
+        torch_npu.npu_dynamic_quant(x=x)
+
+
+def test_attention_workspace_and_out_form_bind_like_the_binding(torch_npu):
+    query = torch.randn(1, 1, 2, 16, dtype=torch.float16)
+    cache = torch.randn(2, 16, 32, dtype=torch.float16)
+    kwargs = dict(num_heads=2, num_key_value_heads=2, input_layout="BSND", scale=0.25,
+                  block_table=torch.tensor([[0, 1]], dtype=torch.int32), block_size=16,
+                  actual_seq_lengths_kv=[20])
+    workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(
+        query, cache, cache, **kwargs)
+    expected, _ = torch_npu.npu_fused_infer_attention_score(query, cache, cache, **kwargs)
+    out = [torch.empty_like(expected), torch.empty(1)]
+    torch_npu.npu_fused_infer_attention_score.out(query, key=cache, value=cache,
+                                                  workspace=workspace, out=out, **kwargs)
+    assert torch.equal(out[0], expected)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'heads'"):
+        torch_npu._npu_fused_infer_attention_score_get_max_workspace(query, cache, cache,
+                                                                     heads=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'heads'"):
+        torch_npu.npu_fused_infer_attention_score.out(query, cache, cache, heads=2, out=out)
+    with pytest.raises(TypeError, match="'out'"):
+        torch_npu.npu_fused_infer_attention_score.out(query, cache, cache, **kwargs)
+    with pytest.raises(TypeError, match="positional"):
+        torch_npu.npu_fused_infer_attention_score.out(query, cache, cache, None, out=out)
+
+
 # --- the checker itself -----------------------------------------------------------------------
 
 

@@ -57,52 +57,56 @@ def _require_dense(name: str, tensor: torch.Tensor) -> None:
         raise RuntimeError(f"{name} is not contiguous; non-contiguous tensors are not supported.")
 
 
-def npu_rms_norm(self, gamma, epsilon=1e-06):
-    """``torch_npu.npu_rms_norm(self, gamma, epsilon=1e-06) -> (Tensor, Tensor)``.
+def npu_rms_norm(input, gamma, epsilon=1e-06):
+    """``torch_npu.npu_rms_norm(input, gamma, epsilon=1e-06) -> (Tensor, Tensor)``.
+
+    The schema's ``Tensor self`` is ``input`` in the Python binding (torchgen names a
+    function's ``self`` so); the page writes ``self``.
 
     Follows Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_rms_norm.md`` and, for what
     that page leaves open, the aclnnRmsNorm kernel page it calls (``aclnnRmsNorm.md``):
 
-    - ``self``: float16, bfloat16 or float32, 1 to 8 dims (the torch_npu page says 2-8 for
-      ``self`` and ``gamma`` but its own example passes a 1-D ``gamma``; the kernel page
+    - ``input``: float16, bfloat16 or float32, 1 to 8 dims (the torch_npu page says 2-8 for
+      ``input`` and ``gamma`` but its own example passes a 1-D ``gamma``; the kernel page
       says 1-8 for both), contiguous, not empty.
-    - ``gamma``: the trailing dims of ``self`` (``gamma.shape == self.shape[n:]``), of
-      ``self``'s dtype; float32 ``gamma`` with float16/bfloat16 ``self`` is also accepted,
+    - ``gamma``: the trailing dims of ``input`` (``gamma.shape == input.shape[n:]``), of
+      ``input``'s dtype; float32 ``gamma`` with float16/bfloat16 ``input`` is also accepted,
       as the kernel page's dtype table allows.
     - ``epsilon``: float added under the square root.
 
-    Returns ``(y, rstd)``: ``y = self / sqrt(mean(self**2) + epsilon) * gamma`` over the
-    dims ``gamma`` covers, in ``self``'s dtype; ``rstd = 1 / sqrt(mean(self**2) + epsilon)``
-    in float32, shaped like ``self`` with those dims set to 1 (torch_npu's meta function).
+    Returns ``(y, rstd)``: ``y = input / sqrt(mean(input**2) + epsilon) * gamma`` over the
+    dims ``gamma`` covers, in ``input``'s dtype; ``rstd = 1 / sqrt(mean(input**2) + epsilon)``
+    in float32, shaped like ``input`` with those dims set to 1 (torch_npu's meta function).
     """
-    _require_tensor("self", self)
+    _require_tensor("input", input)
     _require_tensor("gamma", gamma)
-    _require_float_dtype("self", self)
+    _require_float_dtype("input", input)
     _require_float_dtype("gamma", gamma)
-    _require_dims("self", self, 1)
+    _require_dims("input", input, 1)
     _require_dims("gamma", gamma, 1)
-    _require_dense("self", self)
+    _require_dense("input", input)
     _require_dense("gamma", gamma)
-    if gamma.dtype != self.dtype and not (
-        gamma.dtype == torch.float32 and self.dtype in (torch.float16, torch.bfloat16)
+    if gamma.dtype != input.dtype and not (
+        gamma.dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16)
     ):
         raise RuntimeError(
-            f"gamma has dtype {gamma.dtype} but self has {self.dtype}; gamma must match "
-            "self's dtype (or be float32 when self is float16/bfloat16)."
+            f"gamma has dtype {gamma.dtype} but input has {input.dtype}; gamma must match "
+            "input's dtype (or be float32 when input is float16/bfloat16)."
         )
     norm_dims = gamma.dim()
-    if norm_dims > self.dim() or tuple(gamma.shape) != tuple(self.shape[self.dim() - norm_dims:]):
+    trailing = tuple(input.shape[input.dim() - norm_dims:])
+    if norm_dims > input.dim() or tuple(gamma.shape) != trailing:
         raise RuntimeError(
-            f"gamma's shape {tuple(gamma.shape)} must equal the trailing dims of self's shape "
-            f"{tuple(self.shape)}."
+            f"gamma's shape {tuple(gamma.shape)} must equal the trailing dims of input's shape "
+            f"{tuple(input.shape)}."
         )
     if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
         raise TypeError(f"epsilon must be a float, got {type(epsilon).__name__}.")
 
-    reduce_dims = tuple(range(self.dim() - norm_dims, self.dim()))
-    x = self.float()
+    reduce_dims = tuple(range(input.dim() - norm_dims, input.dim()))
+    x = input.float()
     rstd = torch.rsqrt(x.pow(2).mean(dim=reduce_dims, keepdim=True) + float(epsilon))
-    y = (x * rstd * gamma.float()).to(self.dtype)
+    y = (x * rstd * gamma.float()).to(input.dtype)
     return y, rstd
 
 

@@ -211,23 +211,25 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
                                     dequant_scale1=None, quant_scale1=None,
                                     dequant_scale2=None, quant_scale2=None,
                                     quant_offset2=None, antiquant_scale=None,
-                                    antiquant_offset=None, block_table=None,
+                                    antiquant_offset=None, key_antiquant_scale=None,
+                                    key_antiquant_offset=None, value_antiquant_scale=None,
+                                    value_antiquant_offset=None, block_table=None,
                                     query_padding_size=None, kv_padding_size=None,
-                                    key_antiquant_scale=None, key_antiquant_offset=None,
-                                    value_antiquant_scale=None, value_antiquant_offset=None,
                                     key_shared_prefix=None, value_shared_prefix=None,
                                     actual_shared_prefix_len=None, query_rope=None,
                                     key_rope=None, key_rope_antiquant_scale=None,
                                     num_heads=1, scale=1.0, pre_tokens=_INT_MAX,
                                     next_tokens=_INT_MAX, input_layout="BSH",
                                     num_key_value_heads=0, sparse_mode=0, inner_precise=0,
-                                    block_size=0, antiquant_mode=0, softmax_lse_flag=False,
-                                    key_antiquant_mode=0, value_antiquant_mode=0):
+                                    block_size=0, antiquant_mode=0, key_antiquant_mode=0,
+                                    value_antiquant_mode=0, softmax_lse_flag=False):
     """``torch_npu.npu_fused_infer_attention_score(query, key, value, *, ...) ->
     (attention_out, softmax_lse)``.
 
     Follows Ascend/op-plugin ``docs/context/torch_npu-npu_fused_infer_attention_score.md``;
-    ``attention_out = softmax(scale * query @ key^T + atten_mask) @ value``. Modelled:
+    ``attention_out = softmax(scale * query @ key^T + atten_mask) @ value``. The keyword
+    arguments are in the order of op-plugin's schema (the page lists ``block_table`` and
+    ``softmax_lse_flag`` elsewhere; keyword-only, so calls are the same). Modelled:
 
     - page attention only: ``block_table`` (int32, ``[B, >= max blocks per batch]``) and
       ``block_size`` (a multiple of 16 when Q_S = 1; 128 to 512 in steps of 128 when
@@ -636,9 +638,41 @@ def fused_attention_workspace_bytes(query, num_heads) -> int:
     return -(-raw // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
 
 
-def npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwargs):
-    """``torch_npu._npu_fused_infer_attention_score_get_max_workspace(query, key, value,
-    **same keyword arguments as the op)`` -> a workspace tensor for the op's ``.out`` form.
+# The op's schema, and the two schemas derived from it (op-plugin's
+# _npu_fused_infer_attention_score_get_max_workspace and npu_fused_infer_attention_score.out):
+# the same arguments, the out form adding ``Tensor? workspace=None`` and the outputs, which the
+# Python binding takes as one keyword-only ``out``.
+_FIA_SIGNATURE = inspect.signature(npu_fused_infer_attention_score)
+_FIA_OUT_SIGNATURE = _FIA_SIGNATURE.replace(parameters=[
+    *_FIA_SIGNATURE.parameters.values(),
+    inspect.Parameter("workspace", inspect.Parameter.KEYWORD_ONLY, default=None),
+    inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY)])
+_FIA_TENSORS = ("query", "key", "value")
+
+
+def _takes(signature: inspect.Signature):
+    """Give a function taking ``(**arguments)`` the Python signature ``signature``: a call
+    is bound to it first (a missing, unknown or doubled argument raises TypeError, as the
+    binding's parser does) and the function gets every argument by name, defaults
+    included."""
+    def decorate(function):
+        def bound(*args, **kwargs):
+            arguments = signature.bind(*args, **kwargs)
+            arguments.apply_defaults()
+            return function(**arguments.arguments)
+
+        bound.__name__ = bound.__qualname__ = function.__name__
+        bound.__doc__ = function.__doc__
+        bound.__module__ = function.__module__
+        bound.__signature__ = signature
+        return bound
+    return decorate
+
+
+@_takes(_FIA_SIGNATURE)
+def npu_fused_infer_attention_score_get_max_workspace(**arguments):
+    """``torch_npu._npu_fused_infer_attention_score_get_max_workspace(query, key, value, *,
+    the op's keyword arguments) -> Tensor``: a workspace tensor for the op's ``.out`` form.
 
     torch_npu documents it by its use (the graph task update pages: the workspace of a
     captured ``.out`` call, valid for every later update of its lengths). The reference
@@ -646,21 +680,20 @@ def npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwarg
     ``fused_attention_workspace_bytes`` bytes (independent of the actual lengths); the
     arguments are checked when the ``.out`` form runs.
     """
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
-    unknown = set(kwargs) - _FIA_KEYWORDS
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)} for "
-                        "npu_fused_infer_attention_score.")
-    size = fused_attention_workspace_bytes(query, kwargs.get("num_heads", 1))
+    for name in _FIA_TENSORS:
+        if not isinstance(arguments[name], torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got "
+                            f"{type(arguments[name]).__name__}.")
+    query = arguments["query"]
+    size = fused_attention_workspace_bytes(query, arguments["num_heads"])
     return torch.empty(size, dtype=torch.uint8, device=query.device)
 
 
-def npu_fused_infer_attention_score_out(query, key, value, *, workspace=None, out, **kwargs):
-    """``torch_npu.npu_fused_infer_attention_score.out(query, key, value, *, **the op's
-    keyword arguments, workspace=None, out=[attention_out, softmax_lse])``: the op writing
-    into ``out``, the form captured in graph task groups.
+@_takes(_FIA_OUT_SIGNATURE)
+def npu_fused_infer_attention_score_out(**arguments):
+    """``torch_npu.npu_fused_infer_attention_score.out(query, key, value, *, the op's keyword
+    arguments, workspace=None, out=[attention_out, softmax_lse])``: the op writing into
+    ``out``, the form captured in graph task groups.
 
     ``workspace`` (op-plugin's schema: ``Tensor? workspace=None``): None lets the op take
     its own; else a uint8 tensor of at least ``fused_attention_workspace_bytes`` bytes
@@ -668,20 +701,18 @@ def npu_fused_infer_attention_score_out(query, key, value, *, workspace=None, ou
     attention output's shape and dtype, ``out[1]`` of the softmax log-sum-exp's shape
     (``(1,)`` when ``softmax_lse_flag`` is False, any floating dtype). Returns ``out``.
     """
-    unknown = set(kwargs) - _FIA_KEYWORDS
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)} for "
-                        "npu_fused_infer_attention_score.out.")
+    workspace, out = arguments.pop("workspace"), arguments.pop("out")
+    query = arguments["query"]
     if workspace is not None:
         _require_tensor("workspace", workspace)
-        needed = fused_attention_workspace_bytes(query, kwargs.get("num_heads", 1))
+        needed = fused_attention_workspace_bytes(query, arguments["num_heads"])
         if workspace.dtype != torch.uint8 or workspace.numel() < needed:
             raise RuntimeError(f"workspace is {workspace.dtype} of {workspace.numel()} "
                                f"elements; the call needs uint8 of at least {needed} bytes "
                                "(use _npu_fused_infer_attention_score_get_max_workspace).")
     if not isinstance(out, (list, tuple)) or len(out) != 2:
         raise TypeError(f"out must be [attention_out, softmax_lse], got {out!r}.")
-    attention_out, softmax_lse = npu_fused_infer_attention_score(query, key, value, **kwargs)
+    attention_out, softmax_lse = npu_fused_infer_attention_score(**arguments)
     for index, (name, given, result) in enumerate((("attention_out", out[0], attention_out),
                                                    ("softmax_lse", out[1], softmax_lse))):
         _require_tensor(f"out[{index}]", given)
@@ -696,8 +727,3 @@ def npu_fused_infer_attention_score_out(query, key, value, *, workspace=None, ou
                                "dtype.")
         given.copy_(result)
     return out
-
-
-_FIA_KEYWORDS = {name for name, parameter
-                 in inspect.signature(npu_fused_infer_attention_score).parameters.items()
-                 if parameter.kind is parameter.KEYWORD_ONLY}

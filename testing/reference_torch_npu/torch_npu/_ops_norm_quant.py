@@ -283,24 +283,27 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
 # --- npu_dynamic_quant --------------------------------------------------------------------
 
 
-def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
-    """``torch_npu.npu_dynamic_quant(x, *, smooth_scales=None, group_index=None,
+def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None):
+    """``torch_npu.npu_dynamic_quant(input, *, smooth_scales=None, group_index=None,
     dst_type=None) -> (Tensor, Tensor)``.
 
-    Follows Ascend/op-plugin ``docs/context/torch_npu-npu_dynamic_quant.md``:
+    Follows Ascend/op-plugin ``docs/context/torch_npu-npu_dynamic_quant.md`` (the schema's
+    first argument is ``input``, the page's ``x``):
 
-    - ``x``: float16 or bfloat16, more than 1 dim (non-contiguous allowed).
-    - ``smooth_scales``: optional, 1-D of ``x``'s last dim, ``x``'s dtype.
+    - ``input``: float16 or bfloat16, more than 1 dim (non-contiguous allowed).
+    - ``smooth_scales``: optional, 1-D of ``input``'s last dim, ``input``'s dtype.
     - ``group_index`` (the MoE case) and ``dst_type=torch.quint4x2`` are not modelled;
       ``dst_type`` None means int8.
 
-    Per-token symmetric quantization: ``scale = row_max(|x * smooth|) / 127`` (float32,
-    ``x``'s shape without the last dim) and ``y = round(x * smooth / scale)`` in int8.
+    Per-token symmetric quantization: ``scale = row_max(|input * smooth|) / 127`` (float32,
+    ``input``'s shape without the last dim) and ``y = round(input * smooth / scale)`` in
+    int8.
     """
-    _require_tensor("x", x)
-    _require_half_dtype("x", x)
+    x = input
+    _require_tensor("input", x)
+    _require_half_dtype("input", x)
     if not 2 <= x.dim() <= 8:
-        raise RuntimeError(f"x must have more than 1 dim (2 to 8), got {x.dim()}.")
+        raise RuntimeError(f"input must have more than 1 dim (2 to 8), got {x.dim()}.")
     if group_index is not None:
         raise NotImplementedError("group_index (the MoE case) is not modelled by the "
                                   "reference torch_npu.")
@@ -314,7 +317,7 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None)
     if smooth_scales is not None:
         _require_tensor("smooth_scales", smooth_scales)
         if smooth_scales.dtype != x.dtype or smooth_scales.shape != (x.shape[-1],):
-            raise RuntimeError(f"smooth_scales must be 1-D ({x.shape[-1]},) of x's dtype "
+            raise RuntimeError(f"smooth_scales must be 1-D ({x.shape[-1]},) of input's dtype "
                                f"{x.dtype}; got {smooth_scales.dtype} "
                                f"{tuple(smooth_scales.shape)}.")
         values = values * smooth_scales.float()

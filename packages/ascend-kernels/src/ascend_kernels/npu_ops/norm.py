@@ -8,7 +8,7 @@ from ascend_kernels.dispatch import torch_npu_module
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``torch_npu.npu_rms_norm(self, gamma, epsilon)`` returns ``(y, rstd)``; rstd is
+    """``torch_npu.npu_rms_norm(input, gamma, epsilon)`` returns ``(y, rstd)``; rstd is
     only needed for training."""
     gamma = weight if weight.dtype in (x.dtype, torch.float32) else weight.to(x.dtype)
     return torch_npu_module().npu_rms_norm(x, gamma, epsilon=eps)[0]
