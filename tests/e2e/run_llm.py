@@ -38,6 +38,14 @@ def nz_weights(model) -> list[str]:
                   if p.device.type == "npu" and torch_npu.get_npu_format(p) == 29)
 
 
+def medusa_rows(runner) -> list[int] | None:
+    """The Medusa LM-head rows [first, end) this rank holds (a share under TP), if any."""
+    heads = getattr(getattr(runner, "drafter", None), "model", None)
+    if not hasattr(heads, "row_offset"):
+        return None
+    return [heads.row_offset, heads.row_offset + heads.head_weight(0).shape[0]]
+
+
 def probe_worker(worker) -> dict:
     """Runs inside each worker process: which classes did vLLM actually use?"""
     worker = getattr(worker, "worker", worker)  # collective_rpc hands us the wrapper
@@ -58,6 +66,7 @@ def probe_worker(worker) -> dict:
         # Counters our proposers keep of their own steps (AscendEagleProposer), if any.
         "drafter_counters": dict(getattr(getattr(runner, "drafter", None), "ascend_counters",
                                          None) or {}),
+        "medusa_rows": medusa_rows(runner),
         "rejection_sampler_source": getattr(runner, "rejection_sampler_source", None),
         "rejection_sampler": type(getattr(runner, "rejection_sampler", None)).__name__,
         "rejection_sampler_calls": getattr(getattr(runner, "rejection_sampler", None),

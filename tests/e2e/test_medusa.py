@@ -73,6 +73,24 @@ def test_our_proposer_runs_inside_vllm(ours):
     assert worker["drafter"] == "AscendMedusaProposer"
 
 
+@pytest.fixture(scope="module")
+def ours_tp_2(base_dir, heads_dir) -> dict:
+    # One core per rank (vLLM binds its CPU threads per NUMA node; this machine has one).
+    return run(base_dir, {**HOST, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+               speculative_config=medusa(heads_dir), tensor_parallel_size=2)
+
+
+def test_tensor_parallel_2_shards_the_lm_heads_and_drafts_as_tp_1(ours, ours_tp_2):
+    """Each rank holds half of the LM heads' rows (vLLM's vocab-parallel LM head); the
+    ranks' all-gathered best rows draft what the whole heads draft at TP 1."""
+    vocab = ours["workers"][0]["medusa_rows"][1]
+    assert ours["workers"][0]["medusa_rows"] == [0, vocab]
+    assert [w["medusa_rows"] for w in ours_tp_2["workers"]] == [[0, vocab // 2],
+                                                                [vocab // 2, vocab]]
+    assert ours_tp_2["token_ids"] == ours["token_ids"]
+    assert abs(acceptance_length(ours_tp_2) - acceptance_length(ours)) <= 0.02
+
+
 def test_greedy_output_equals_no_speculation_at_batch_8(ours, without_speculation):
     assert len({tuple(ids) for ids in without_speculation["token_ids"]}) == len(PROMPTS)
     assert ours["token_ids"] == without_speculation["token_ids"]

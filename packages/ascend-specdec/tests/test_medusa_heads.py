@@ -92,3 +92,58 @@ def test_last_accepted_rows():
     assert last_accepted_rows([2, 2], [3, 3]) == [2, 5]
     with pytest.raises(ValueError, match="at most drafts \\+ 1"):
         last_accepted_rows([1], [3])
+
+
+def all_gather_between_threads(world_size: int):
+    """``gather`` callables for ranks run as threads: each call stacks every rank's tensor."""
+    import itertools
+    import threading
+
+    slots: dict[int, list] = {}
+    barrier = threading.Barrier(world_size)
+
+    def for_rank(rank: int):
+        calls = itertools.count()
+
+        def gather(tensor: torch.Tensor) -> torch.Tensor:
+            call = next(calls)
+            slots.setdefault(call, [None] * world_size)[rank] = tensor
+            barrier.wait()
+            return torch.stack(slots[call])
+        return gather
+    return for_rank
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 7])
+@pytest.mark.parametrize("fields", [{}, {"original_lm_head": True},
+                                    {"truncated_vocab_size": 12}])
+def test_lm_heads_sharded_across_ranks_draft_what_the_whole_heads_draft(world_size, fields):
+    """Each rank keeps a contiguous share of the rows (vLLM's vocab-parallel LM head); the
+    ranks' best rows, all-gathered, give the whole heads' argmax, ties to the lower row."""
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    whole = random_heads(**fields)
+    hidden = torch.randn(9, 16)
+    hidden[0] = 0.0  # every logit of request 0 is 0 on every rank: row 0 must win
+    shards = []
+    for rank in range(world_size):
+        shard = copy.deepcopy(whole)
+        shard.shard_lm_heads(rank, world_size)
+        shards.append(shard)
+    rows = [shard.head_weight(0).shape[0] for shard in shards]
+    assert sum(rows) == whole.config.draft_vocab_size and max(rows) - min(rows) <= 1
+    assert [shard.row_offset for shard in shards] == [sum(rows[:r]) for r in range(world_size)]
+    gathers = all_gather_between_threads(world_size)
+    with ThreadPoolExecutor(world_size) as pool:
+        drafts = list(pool.map(lambda r: shards[r].propose(hidden, gather=gathers(r)),
+                               range(world_size)))
+    expected = whole.propose(hidden)
+    for rank_drafts in drafts:
+        assert torch.equal(rank_drafts, expected)
+    assert torch.equal(expected[0], whole.draft_vocab_to_base(torch.zeros(3, dtype=torch.long)))
+
+
+def test_sharding_refuses_more_ranks_than_rows():
+    with pytest.raises(MedusaConfigError, match="cannot shard 12 LM-head rows"):
+        random_heads(truncated_vocab_size=12).shard_lm_heads(0, 13)

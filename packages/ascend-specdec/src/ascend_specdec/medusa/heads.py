@@ -11,6 +11,8 @@ Imports no vLLM.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -56,6 +58,25 @@ class MedusaHeads(nn.Module):
         # token_map[j] = the base-vocabulary id of draft-vocabulary row j (identity if None).
         token_map = (torch.arange(rows, dtype=torch.long) if config.is_truncated else None)
         self.register_buffer("token_map", token_map)
+        self.row_offset = 0  # the first draft-vocabulary row this rank's LM heads hold
+
+    def shard_lm_heads(self, rank: int, world_size: int) -> None:
+        """Keep only tensor-parallel rank ``rank``'s share of every LM head's rows, as vLLM's
+        vocab-parallel LM head does (contiguous, sizes differing by at most one row). The
+        residual blocks stay whole. ``propose`` then needs ``gather`` to find the best row
+        across the ranks."""
+        rows = self.config.draft_vocab_size
+        if not 0 <= rank < world_size or world_size > rows or rows >= 2 ** 24:
+            raise MedusaConfigError(f"cannot shard {rows} LM-head rows for tensor-parallel "
+                                    f"rank {rank} of {world_size}")
+        base, extra = divmod(rows, world_size)
+        start = rank * base + min(rank, extra)
+        end = start + base + (rank < extra)
+        for head in [self.lm_head] if self.config.original_lm_head else self.lm_heads:
+            head.weight = nn.Parameter(head.weight.data[start:end].clone(),
+                                       requires_grad=False)
+            head.out_features = end - start
+        self.row_offset = start
 
     @property
     def num_heads(self) -> int:
@@ -86,9 +107,24 @@ class MedusaHeads(nn.Module):
     def draft_vocab_to_base(self, indices: torch.Tensor) -> torch.Tensor:
         return indices if self.token_map is None else self.token_map[indices]
 
-    def propose(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        """Top-1 chain: [requests, hidden] -> base-vocabulary token ids [requests, heads]."""
-        return self.draft_vocab_to_base(self.logits(hidden_states, num_heads).argmax(dim=-1))
+    def propose(self, hidden_states: torch.Tensor, num_heads: int | None = None,
+                gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Top-1 chain: [requests, hidden] -> base-vocabulary token ids [requests, heads].
+
+        Sharded heads (``shard_lm_heads``) pass ``gather``: every rank's tensor stacked on a
+        new first axis, in rank order (an all-gather). Each rank offers its best row and its
+        logit in one float32 tensor (one collective; row ids are exact in float32 below
+        2**24); the highest logit wins, the lower row among equal ones, as an argmax over the
+        whole vocabulary would pick."""
+        logits = self.logits(hidden_states, num_heads)
+        best = logits.argmax(dim=-1)
+        if gather is None:
+            return self.draft_vocab_to_base(best + self.row_offset)
+        offer = torch.stack([logits.gather(-1, best.unsqueeze(-1)).squeeze(-1).float(),
+                             (best + self.row_offset).float()])
+        values, rows = gather(offer).unbind(dim=1)  # [ranks, requests, heads] each
+        winner = values.argmax(dim=0, keepdim=True)  # the first of equal maxima: lower rows
+        return self.draft_vocab_to_base(rows.gather(0, winner).squeeze(0).long())
 
     def forward(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         return self.propose(hidden_states, num_heads)

@@ -14,6 +14,9 @@ Differences from vLLM's proposer, each a start-up error there or a silent fault:
   heads uninitialised, and ``vocab_size`` with the base model's);
 - a truncated vocabulary is drafted by indexing the token map, without building full-vocabulary
   logits; a shared LM head runs once over every head's rows.
+
+Under tensor parallelism each rank keeps its share of the LM heads' rows (as vLLM's
+vocab-parallel LM head does) and the ranks all-gather each head's best row and logit.
 """
 
 from __future__ import annotations
@@ -68,14 +71,24 @@ class AscendMedusaProposer(MedusaProposer):
         )
         self.hidden_size = self.heads_config.hidden_size
         self.model: MedusaHeads | None = None
+        self._gather = None  # all-gather over the tensor-parallel group, when sharded
 
     def load_model(self, target_model: torch.nn.Module) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
+
         self.model = load_heads(self.heads_dir, dtype=self.dtype, device=self.device)
         config = self.heads_config
-        logger.info("Medusa heads %s: %d heads (%d used), %s LM head, draft vocabulary %d of %d",
-                    self.heads_dir, config.num_heads, self.num_speculative_tokens,
+        group = get_tp_group()
+        if group.world_size > 1:
+            self.model.shard_lm_heads(get_tensor_model_parallel_rank(), group.world_size)
+            self._gather = lambda tensor: group.all_gather(tensor.unsqueeze(0), dim=0)
+        rows = self.model.head_weight(0).shape[0]
+        logger.info("Medusa heads %s: %d heads (%d used), %s LM head, draft vocabulary %d of %d"
+                    " (rows %d-%d on this rank)", self.heads_dir, config.num_heads,
+                    self.num_speculative_tokens,
                     "one shared" if config.original_lm_head else "per-head",
-                    config.draft_vocab_size, config.vocab_size)
+                    config.draft_vocab_size, config.vocab_size, self.model.row_offset,
+                    self.model.row_offset + rows - 1)
 
     @torch.inference_mode()
     def propose(self, num_speculative_tokens: int, target_hidden_states: torch.Tensor,
@@ -84,7 +97,7 @@ class AscendMedusaProposer(MedusaProposer):
         if self.model is None:
             raise RuntimeError("AscendMedusaProposer.propose before load_model")
         hidden = target_hidden_states.to(self.dtype)
-        return self.model.propose(hidden, num_speculative_tokens)
+        return self.model.propose(hidden, num_speculative_tokens, self._gather)
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, **_: Any) -> None:
@@ -92,4 +105,4 @@ class AscendMedusaProposer(MedusaProposer):
             return
         hidden = torch.zeros((num_tokens, self.hidden_size), dtype=self.dtype,
                              device=self.device)
-        self.model.propose(hidden, self.num_speculative_tokens)
+        self.model.propose(hidden, self.num_speculative_tokens, self._gather)
