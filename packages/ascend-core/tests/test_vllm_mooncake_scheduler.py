@@ -120,8 +120,8 @@ def test_a_consumer_keeps_nothing_for_a_prefill_request(caplog):
 
 def test_idle_steps_pause_past_vllms_worker_busy_loop(monkeypatch):
     """While only leases or pulls are outstanding the engine steps with nothing to do; from
-    the second empty step on it pauses: briefly with one process, past the workers'
-    sched_yield busy loop (vLLM's SpinCondition, 1 s) with one process per rank."""
+    the second empty step on it pauses: briefly with one process or a spare core per rank,
+    else past the workers' sched_yield busy loop (vLLM's SpinCondition, 1 s)."""
     import inspect
 
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
@@ -130,8 +130,12 @@ def test_idle_steps_pause_past_vllms_worker_busy_loop(monkeypatch):
 
     busy_loop_s = inspect.signature(SpinCondition.__init__).parameters["busy_loop_s"].default
     assert busy_loop_s == 1
-    assert module._idle_step_pause_s(1) <= 0.05
-    assert module._idle_step_pause_s(2) > busy_loop_s
+    assert module._idle_step_pause_s(1, cores=1) <= 0.05
+    # Two ranks on two cores: no core to spin on beside the transfer threads.
+    assert module._idle_step_pause_s(2, cores=2) > busy_loop_s
+    assert module._idle_step_pause_s(8, cores=15) > busy_loop_s
+    assert module._idle_step_pause_s(2, cores=4) <= 0.05  # a spare core per rank
+    assert module._idle_step_pause_s(8, cores=192) <= 0.05
     pauses = []
     monkeypatch.setattr(module.time, "sleep", pauses.append)
     side = scheduler("kv_producer")

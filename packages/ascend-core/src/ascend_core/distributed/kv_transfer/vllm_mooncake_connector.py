@@ -13,6 +13,7 @@ request's blocks as load errors, so vLLM recomputes them (``kv_load_failure_poli
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -213,18 +214,21 @@ class MooncakeConnectorV1(KVConnectorBase_V1):
             self._worker.shutdown()
 
 
-def _idle_step_pause_s(world_size: int) -> float:
+def _idle_step_pause_s(world_size: int, cores: int | None = None) -> float:
     """How long the engine waits before a step that follows an empty one.
 
     While a prefill node holds blocks for decode nodes, or a decode node waits for its
     pulls, vLLM's engine keeps stepping with nothing to compute. With one process per
     rank, each step wakes every worker, and a worker woken within vLLM's busy-loop
     window (``SpinCondition``'s ``busy_loop_s``, 1 s) spins on ``sched_yield`` instead
-    of sleeping: measured on 2 cores, a TP 2 prefill node's spinning workers starved
-    their own side channel and transfer engine, and one pull took minutes. Pausing past
-    that window lets them sleep; a single-process engine only needs the loop slowed.
+    of sleeping. Where each rank has a core to spin on beside the one its side channel
+    and transfer engine need, that costs nothing; with fewer cores (``cores``: those this
+    process may use) the spinning workers starve those threads: measured on 2 cores, a
+    TP 2 prefill node's pulls took minutes. Then the pause outlasts that window so the
+    workers sleep; otherwise (and with one process) it only slows the loop.
     """
-    if world_size <= 1:
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    if world_size <= 1 or cores >= 2 * world_size:
         return 0.01
     import inspect
 
