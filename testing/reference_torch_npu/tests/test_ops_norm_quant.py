@@ -202,13 +202,68 @@ def test_dynamic_quant_of_the_documented_example(torch_npu):
                                rtol=0)
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_dynamic_quant_smooths_each_group_of_rows_with_its_own_vector(torch_npu, dtype):
+    """The MoE form: rows [group_index[g-1], group_index[g]) use smooth_scales[g]; an empty
+    group (equal ends) uses none, as the real op's test golden does."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 3, 16, dtype=dtype) * 2  # 6 rows
+    smooth = torch.rand(4, 16, dtype=dtype) + 0.5
+    group_index = torch.tensor([2, 2, 5, 6], dtype=torch.int32)
+    y, scale = torch_npu.npu_dynamic_quant(x, smooth_scales=smooth, group_index=group_index)
+    rows = x.float().reshape(6, 16)
+    owner = [0, 0, 2, 2, 2, 3]  # group 1 is empty
+    smoothed = torch.stack([rows[r] * smooth[owner[r]].float() for r in range(6)])
+    want_y, want_scale = _row_quant(smoothed)
+    assert y.shape == x.shape and scale.shape == (2, 3)
+    torch.testing.assert_close(scale.reshape(6), want_scale)
+    assert (y.reshape(6, 16).int() - want_y.int()).abs().max() <= 1
+    # One group over every row is the plain smooth_scales form.
+    whole, _ = torch_npu.npu_dynamic_quant(x, smooth_scales=smooth[:1],
+                                           group_index=torch.tensor([6], dtype=torch.int32))
+    plain, _ = torch_npu.npu_dynamic_quant(x, smooth_scales=smooth[0])
+    assert torch.equal(whole, plain)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_dynamic_quant_to_int4_packs_values_scaled_to_7(torch_npu, dtype):
+    from torch_npu._ops_quant import unpack_int4_words
+
+    torch.manual_seed(6)
+    x = torch.randn(3, 32, dtype=dtype) * 4
+    x[1] = 0  # a row of zeros: scale 0, values 0
+    y, scale = torch_npu.npu_dynamic_quant(x, dst_type=torch.quint4x2)
+    assert y.dtype == torch.int32 and y.shape == (3, 4) and scale.dtype == torch.float32
+    values = x.float()
+    torch.testing.assert_close(scale, values.abs().amax(-1) / 7)
+    unpacked = unpack_int4_words(y)
+    assert unpacked.abs().max() <= 7 and not unpacked[1].any()
+    expected = torch.round(values / torch.where(scale == 0, 1, scale)[:, None])
+    assert (unpacked.int() - expected.int()).abs().max() <= 1
+    assert (unpacked.abs() == 7).any(dim=-1)[[0, 2]].all()  # each row's largest value maps to 7
+
+
 @pytest.mark.parametrize(("x", "kwargs", "error", "match"), [
     (torch.ones(2, 4), {}, RuntimeError, "float16 and bfloat16"),
     (torch.ones(4, dtype=torch.float16), {}, RuntimeError, "more than 1 dim"),
-    (torch.ones(2, 4, dtype=torch.float16), {"group_index": torch.tensor([2])},
-     NotImplementedError, "group_index"),
+    (torch.ones(2, 4, dtype=torch.float16), {"group_index": torch.tensor([2], dtype=torch.int32)},
+     RuntimeError, "group_index needs smooth_scales"),
+    (torch.ones(2, 4, dtype=torch.float16),
+     {"group_index": torch.tensor([2]), "smooth_scales": torch.ones(1, 4, dtype=torch.float16)},
+     RuntimeError, "1-D int32"),
+    (torch.ones(2, 4, dtype=torch.float16),
+     {"group_index": torch.tensor([2], dtype=torch.int32),
+      "smooth_scales": torch.ones(4, dtype=torch.float16)}, RuntimeError, "must be 2-D"),
+    (torch.ones(3, 4, dtype=torch.float16),
+     {"group_index": torch.tensor([2, 1, 3], dtype=torch.int32),
+      "smooth_scales": torch.ones(3, 4, dtype=torch.float16)}, RuntimeError, "non-decreasing"),
+    (torch.ones(3, 4, dtype=torch.float16),
+     {"group_index": torch.tensor([1, 2], dtype=torch.int32),
+      "smooth_scales": torch.ones(2, 4, dtype=torch.float16)}, RuntimeError, "number of rows"),
     (torch.ones(2, 4, dtype=torch.float16), {"dst_type": torch.quint4x2},
-     NotImplementedError, "quint4x2"),
+     RuntimeError, "multiple of 8"),
+    (torch.ones(2, 8, dtype=torch.float16), {"dst_type": torch.qint8},
+     RuntimeError, "dst_type must be"),
     (torch.ones(2, 4, dtype=torch.float16), {"smooth_scales": torch.ones(3, dtype=torch.float16)},
      RuntimeError, "smooth_scales must be 1-D"),
 ])

@@ -292,39 +292,81 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
 
     - ``input``: float16 or bfloat16, more than 1 dim (non-contiguous allowed).
     - ``smooth_scales``: optional, 1-D of ``input``'s last dim, ``input``'s dtype.
-    - ``group_index`` (the MoE case) and ``dst_type=torch.quint4x2`` are not modelled;
-      ``dst_type`` None means int8.
+    - ``group_index`` (the MoE case): int32, 1-D, non-decreasing, its last entry the number
+      of rows (``input.numel() / input.shape[-1]``); ``smooth_scales`` is then 2-D, one row
+      per group: rows ``[group_index[g-1], group_index[g])`` (from 0 for ``g = 0``) are
+      multiplied by ``smooth_scales[g]`` (an empty group applies to no row, as the real op's
+      test golden skips it).
+    - ``dst_type``: None or ``torch.int8`` (int8 output), or ``torch.quint4x2``: int4 values
+      packed eight per int32 along the last dim (which must be a multiple of 8), the same
+      packing as ``npu_quantize``'s.
 
-    Per-token symmetric quantization: ``scale = row_max(|input * smooth|) / 127`` (float32,
-    ``input``'s shape without the last dim) and ``y = round(input * smooth / scale)`` in
-    int8.
+    Per-token symmetric quantization: ``scale = row_max(|input * smooth|) / DST_MAX`` (127 for
+    int8, 7 for int4; float32, ``input``'s shape without the last dim) and
+    ``y = round(input * smooth / scale)``.
     """
     x = input
     _require_tensor("input", x)
     _require_half_dtype("input", x)
     if not 2 <= x.dim() <= 8:
         raise RuntimeError(f"input must have more than 1 dim (2 to 8), got {x.dim()}.")
-    if group_index is not None:
-        raise NotImplementedError("group_index (the MoE case) is not modelled by the "
-                                  "reference torch_npu.")
-    if dst_type is not None and dst_type != torch.int8:
-        if dst_type == getattr(torch, "quint4x2", None):
-            raise NotImplementedError("dst_type=torch.quint4x2 is not modelled by the "
-                                      "reference torch_npu.")
+    int4 = dst_type == torch.quint4x2
+    if dst_type is not None and dst_type != torch.int8 and not int4:
         raise RuntimeError(f"dst_type must be None, torch.int8 or torch.quint4x2, got "
                            f"{dst_type}.")
+    if int4 and x.shape[-1] % 8:
+        raise RuntimeError(f"dst_type=torch.quint4x2 packs 8 values per int32: input's last "
+                           f"dim must be a multiple of 8, got {x.shape[-1]}.")
     values = x.float()
-    if smooth_scales is not None:
+    if group_index is not None:
+        values = _smooth_groups(values, smooth_scales, group_index, x.dtype)
+    elif smooth_scales is not None:
         _require_tensor("smooth_scales", smooth_scales)
         if smooth_scales.dtype != x.dtype or smooth_scales.shape != (x.shape[-1],):
             raise RuntimeError(f"smooth_scales must be 1-D ({x.shape[-1]},) of input's dtype "
                                f"{x.dtype}; got {smooth_scales.dtype} "
                                f"{tuple(smooth_scales.shape)}.")
         values = values * smooth_scales.float()
+    if int4:
+        from torch_npu._ops_quant import pack_int4_words
+
+        scale = values.abs().amax(dim=-1) / 7.0
+        divisor = torch.where(scale == 0, torch.ones_like(scale), scale)
+        return pack_int4_words(torch.round(values / divisor.unsqueeze(-1)).clamp(-8, 7)), scale
     if values.shape[-1] == 0:
         return (torch.empty(x.shape, dtype=torch.int8),
                 torch.zeros(x.shape[:-1], dtype=torch.float32))
     return _dynamic_quant_rows(values)
+
+
+def _smooth_groups(values: torch.Tensor, smooth_scales, group_index,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (float32) with each group of rows multiplied by its smooth vector."""
+    hidden = values.shape[-1]
+    _require_tensor("group_index", group_index)
+    if smooth_scales is None:
+        raise RuntimeError("group_index needs smooth_scales: one smooth row per group.")
+    _require_tensor("smooth_scales", smooth_scales)
+    if group_index.dtype != torch.int32 or group_index.dim() != 1:
+        raise RuntimeError(f"group_index must be a 1-D int32 tensor, got {group_index.dtype} "
+                           f"of shape {tuple(group_index.shape)}.")
+    if (smooth_scales.dtype != dtype or smooth_scales.dim() != 2
+            or tuple(smooth_scales.shape) != (group_index.numel(), hidden)):
+        raise RuntimeError(f"with group_index, smooth_scales must be 2-D "
+                           f"({group_index.numel()}, {hidden}) of input's dtype {dtype}; got "
+                           f"{smooth_scales.dtype} {tuple(smooth_scales.shape)}.")
+    ends = group_index.tolist()
+    rows = values.numel() // hidden if hidden else 0
+    if (any(end < start for start, end in zip([0, *ends], ends, strict=False))
+            or (ends and ends[-1] != rows)):
+        raise RuntimeError(f"group_index must be non-decreasing from 0 and end at the number "
+                           f"of rows ({rows}), got {ends}.")
+    flat = values.reshape(rows, hidden).clone()
+    start = 0
+    for group, end in enumerate(ends):
+        flat[start:end] *= smooth_scales[group].float()
+        start = end
+    return flat.reshape(values.shape)
 
 
 # --- npu_quant_matmul ---------------------------------------------------------------------
