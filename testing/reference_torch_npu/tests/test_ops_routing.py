@@ -58,10 +58,28 @@ def test_gating_top_k_softmax_ranks_the_softmax_in_x_dtype_lower_expert_first(to
     assert torch.equal(npu_idx.cpu(), expert_idx) and torch.equal(npu_y.cpu(), y)
 
 
+@pytest.mark.parametrize("device", ["cpu", "npu"])
+def test_gating_top_k_softmax_marks_finished_rows_with_the_expert_count(torch_npu, device):
+    """A finished row's expert_idx is `experts` (past every expert); its y and row_idx are
+    those of any row, as the real op's test golden computes them."""
+    torch.manual_seed(7)
+    x = torch.randn(5, 8)
+    finished = torch.tensor([False, True, False, True, True])
+    y, idx, row_idx = torch_npu.npu_moe_gating_top_k_softmax(x.to(device), finished.to(device),
+                                                             k=3)
+    plain_y, plain_idx, plain_rows = torch_npu.npu_moe_gating_top_k_softmax(x, k=3)
+    assert torch.equal(y.cpu(), plain_y) and torch.equal(row_idx.cpu(), plain_rows)
+    assert idx.dtype == torch.int32
+    assert torch.equal(idx.cpu()[~finished], plain_idx[~finished])
+    assert (idx.cpu()[finished] == 8).all()
+    with pytest.raises(RuntimeError, match="finished must be a bool tensor"):
+        torch_npu.npu_moe_gating_top_k_softmax(x, torch.zeros(4, dtype=torch.bool), k=2)
+    with pytest.raises(RuntimeError, match="finished must be a bool tensor"):
+        torch_npu.npu_moe_gating_top_k_softmax(x, torch.zeros(5, dtype=torch.int32), k=2)
+
+
 def test_gating_top_k_softmax_refuses_what_it_does_not_model(torch_npu):
     x = torch.randn(4, 8)
-    with pytest.raises(NotImplementedError, match="finished is not modelled"):
-        torch_npu.npu_moe_gating_top_k_softmax(x, torch.zeros(4, dtype=torch.bool), k=2)
     with pytest.raises(NotImplementedError, match="models 2-D x only"):
         torch_npu.npu_moe_gating_top_k_softmax(x.view(2, 2, 8), k=2)
 

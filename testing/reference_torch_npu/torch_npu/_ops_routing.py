@@ -47,8 +47,10 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
 
     - ``x``: float16, bfloat16 or float32, ``[rows, experts]``. The page also allows 3-D
       ``x``, but its ``row_idx`` formula is written for 2-D; the reference models 2-D only.
-    - ``finished``: bool rows to leave out. What the op writes for those rows is not
-      documented; the reference models ``finished=None`` only.
+    - ``finished``: optional bool ``[rows]``, the rows that take no part: their
+      ``expert_idx`` is ``experts`` (x's last dim, an index past every expert), as
+      aclnnMoeGatingTopKSoftmax's page says; ``y`` and ``row_idx`` are computed as for any
+      row (the real op's test golden).
     - ``k``: ``0 < k <= experts`` and ``k <= 1024``.
 
     Returns ``y = topk(softmax(x, -1), k)``: the softmax computed in float32 and cast to
@@ -68,10 +70,11 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
         raise RuntimeError(f"x must be 2-D or 3-D, got {x.dim()} dims.")
     _require_not_empty("x", x)
     if finished is not None:
-        raise NotImplementedError(
-            "finished is not modelled: the documentation does not say what the op writes for "
-            "finished rows; pass finished=None."
-        )
+        _require_tensor("finished", finished)
+        if finished.dtype != torch.bool or tuple(finished.shape) != tuple(x.shape[:-1]):
+            raise RuntimeError(f"finished must be a bool tensor of x's shape without its last "
+                               f"dim {tuple(x.shape[:-1])}, got {finished.dtype} "
+                               f"{tuple(finished.shape)}.")
     k = _require_int("k", k)
     experts = x.shape[-1]
     if not 0 < k <= min(experts, _GATING_SOFTMAX_MAX_K):
@@ -81,6 +84,9 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
     # expert first among equal scores, and compares expert_idx exactly: in float16 many
     # experts round to equal scores, so ranking the float32 softmax picks other experts.
     y, expert_idx = _descending_top_k(x.float().softmax(dim=-1).to(x.dtype), k)
+    if finished is not None:
+        expert_idx = torch.where(finished.to(expert_idx.device).unsqueeze(-1),
+                                 torch.full_like(expert_idx, experts), expert_idx)
     rows = x.shape[0]
     row_idx = torch.arange(rows * k, dtype=torch.int32).reshape(k, rows).transpose(0, 1)
     return y, expert_idx.to(torch.int32), row_idx.contiguous()
