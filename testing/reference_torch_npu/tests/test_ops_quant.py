@@ -256,13 +256,87 @@ def test_grouped_matmul_group_type_2_groups_along_k(torch_npu, list_type):
                                      group_list_type=list_type)
 
 
+def _gmm_reference(x, w, b=None):
+    out = x.float() @ w.float()
+    return out + b.float() if b is not None else out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("split_item", [0, 1])
+def test_grouped_matmul_multi_multi_multi_multiplies_each_pair(torch_npu, dtype, split_item):
+    """group_type=-1: one output per (x_i, weight_i), x of any shared rank from 2 to 6."""
+    torch.manual_seed(8)
+    bias_dtype = torch.float16 if dtype == torch.float16 else torch.float32
+    xs = [torch.randn(2, 3, 16, dtype=dtype), torch.randn(4, 1, 8, dtype=dtype)]
+    ws = [torch.randn(16, 5, dtype=dtype), torch.randn(8, 12, dtype=dtype)]
+    bs = [torch.randn(5, dtype=bias_dtype), torch.randn(12, dtype=bias_dtype)]
+    outs = torch_npu.npu_grouped_matmul(xs, ws, bias=bs, split_item=split_item, group_type=-1)
+    assert [o.shape for o in outs] == [(2, 3, 5), (4, 1, 12)]
+    for out, x, w, b in zip(outs, xs, ws, bs):
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), _gmm_reference(x, w, b), atol=3e-2, rtol=2e-2)
+    # Transposed weights (all of them) compute the same.
+    wts = [w.t().contiguous().t() for w in ws]
+    again = torch_npu.npu_grouped_matmul(xs, wts, bias=bs, split_item=split_item,
+                                         group_type=-1)
+    assert all(torch.equal(a, b) for a, b in zip(again, outs))
+
+
+@pytest.mark.parametrize("list_type", [None, 0, 1])
+def test_grouped_matmul_multi_multi_single_stacks_the_groups_along_m(torch_npu, list_type):
+    torch.manual_seed(9)
+    xs = [torch.randn(3, 16, dtype=torch.float16), torch.randn(0, 8, dtype=torch.float16),
+          torch.randn(5, 4, dtype=torch.float16)]
+    ws = [torch.randn(16, 6, dtype=torch.float16), torch.randn(8, 6, dtype=torch.float16),
+          torch.randn(4, 6, dtype=torch.float16)]
+    group_list = None if list_type is None else torch.tensor(
+        [3, 3, 8] if list_type == 0 else [3, 0, 5])
+    (out,) = torch_npu.npu_grouped_matmul(xs, ws, group_list=group_list, split_item=2,
+                                          group_type=0, group_list_type=list_type or 0)
+    expected = torch.cat([_gmm_reference(x, w) for x, w in zip(xs, ws)])
+    assert out.shape == (8, 6) and out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("xs", "ws", "kwargs", "match"), [
+    ([torch.ones(2, 4, dtype=torch.float16)] * 2, [torch.ones(4, 3, dtype=torch.float16)] * 2,
+     {"group_type": -1, "split_item": 2}, "takes split_item 0 or 1"),
+    ([torch.ones(2, 4, dtype=torch.float16)] * 2, [torch.ones(4, 3, dtype=torch.float16)] * 2,
+     {"group_type": -1, "group_list": torch.tensor([2, 4])}, "takes no group_list"),
+    ([torch.ones(2, 4, dtype=torch.float16), torch.ones(1, 2, 4, dtype=torch.float16)],
+     [torch.ones(4, 3, dtype=torch.float16)] * 2, {"group_type": -1}, "one rank"),
+    ([torch.ones(2, 4, dtype=torch.float16)] * 2,
+     [torch.ones(4, 3, dtype=torch.float16), torch.ones(4, 5, dtype=torch.float16)],
+     {"group_type": 0, "split_item": 2}, "weights of one N"),
+    ([torch.ones(2, 4, dtype=torch.float16)] * 2, [torch.ones(4, 3, dtype=torch.float16)] * 2,
+     {"group_type": 0, "split_item": 2, "group_list": torch.tensor([1, 4])},
+     "does not describe the x tensors' rows"),
+    ([torch.ones(2, 4, dtype=torch.float16)] * 2, [torch.ones(4, 3, dtype=torch.float16)] * 2,
+     {"group_type": 0, "split_item": 0}, "take split_item 2 or 3"),
+    ([torch.ones(2, 4)] * 2, [torch.ones(4, 3)] * 2, {"group_type": -1}, "float32 only"),
+    ([torch.ones(2, 4, dtype=torch.float16)] * 2, [torch.ones(4, 3, dtype=torch.float16)],
+     {"group_type": -1}, "one of each per group"),
+    ([torch.ones(2, 4, dtype=torch.float16)] * 2, [torch.ones(5, 3, dtype=torch.float16)] * 2,
+     {"group_type": -1}, "is not weight's K"),
+    ([torch.ones(4, 2, dtype=torch.float16).t()] * 2,
+     [torch.ones(4, 3, dtype=torch.float16)] * 2, {"group_type": -1}, "transposition"),
+    ([torch.ones(2, 4, dtype=torch.float16)] * 2,
+     [torch.ones(4, 3, dtype=torch.float16), torch.ones(3, 4, dtype=torch.float16).t()],
+     {"group_type": -1}, "all be transposed or none"),
+])
+def test_grouped_matmul_multi_x_refuses_what_the_page_rules_out(torch_npu, xs, ws, kwargs,
+                                                                match):
+    with pytest.raises(RuntimeError, match=match):
+        torch_npu.npu_grouped_matmul(xs, ws, **kwargs)
+
+
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"group_list": [2, 4]}, NotImplementedError, "Tensor group_list"),
     ({"group_list": _groups([4, 2])}, RuntimeError, "non-decreasing"),
     ({"group_list": _groups([2, 5])}, RuntimeError, "covers 5 rows"),
     ({"group_list": _groups([6])}, RuntimeError, "one per weight group"),
     ({"split_item": 0}, NotImplementedError, "split_item"),
-    ({"group_type": -1}, NotImplementedError, "group_type"),
+    ({"group_type": -1}, NotImplementedError, "group_type=-1 and several x tensors with quant"),
     ({"group_type": 1}, RuntimeError, "group_type=1"),
     ({"group_type": 2}, RuntimeError, "group_type -1 and 0 only"),
     ({"act_type": 5}, NotImplementedError, "act_type"),

@@ -386,6 +386,99 @@ def _group_bounds(group_list: torch.Tensor, list_type: int, rows: int,
     return list(zip(starts, ends, strict=True))
 
 
+def _grouped_matmul_multi_x(xs, ws, biases, scale, per_token_scale, group_list, split_item,
+                            group_type, group_list_type, act_type, output_dtype) -> list:
+    """``npu_grouped_matmul`` with one x tensor per group, the page's A2/A3 rows for a
+    Tensor (or no) ``group_list``, not quantized (float16 / bfloat16, ``bias`` float16 /
+    float32 per group, ``y_i = x_i @ weight_i + bias_i``):
+
+    - ``group_type=-1``, multi-multi-multi: ``split_item`` 0 or 1, ``group_list`` None;
+      the x tensors share a rank of 2 to 6 dims, each weight is 2-D ``(K_i, N_i)``; one
+      output per group, of x's rank.
+    - ``group_type=0``, multi-multi-single: ``split_item`` 2 or 3; 2-D x and weight
+      tensors, every weight of one N; the groups' results stacked along M in one tensor;
+      a ``group_list`` given must describe the x tensors' rows (its cumsum's steps for
+      ``group_list_type`` 0, its values for 1).
+
+    Either way x must not be transposed, and the weights are all transposed or none.
+    float32 takes the single-tensor forms only (the page's dtype table)."""
+    if len(xs) != len(ws):
+        raise RuntimeError(f"x holds {len(xs)} tensors and weight {len(ws)}; the multi-tensor "
+                           f"forms take one of each per group.")
+    if len(ws) > _GMM_MAX_LIST:
+        raise RuntimeError(f"weight holds {len(ws)} tensors; the list is at most "
+                           f"{_GMM_MAX_LIST} long.")
+    dtype = xs[0].dtype
+    if dtype == torch.int8 or dtype == torch.int32:
+        raise NotImplementedError("group_type=-1 and several x tensors with quantized (int8 / "
+                                  "int4) inputs are not modelled.")
+    if dtype not in _HALF:
+        raise RuntimeError(f"x has dtype {dtype}; the multi-tensor forms take float16 or "
+                           "bfloat16 (float32 only with single x, weight and y).")
+    if _as_list("scale", scale) or _as_list("per_token_scale", per_token_scale):
+        raise RuntimeError("scale and per_token_scale belong to int8 inputs.")
+    if act_type:
+        raise NotImplementedError(f"act_type={act_type} (a fused activation) is not "
+                                  "modelled.")
+    if group_type not in (-1, 0):
+        raise RuntimeError(f"group_type={group_type!r}: several x tensors take -1 "
+                           "(multi-multi-multi) or 0 (multi-multi-single).")
+    if output_dtype not in (None, dtype):
+        raise RuntimeError(f"output_dtype must be None or x's {dtype}, got {output_dtype}.")
+    for i, (xt, w) in enumerate(zip(xs, ws, strict=True)):
+        if xt.dtype != dtype or w.dtype != dtype:
+            raise RuntimeError(f"group {i}: x {xt.dtype} and weight {w.dtype}; every tensor "
+                               f"must be {dtype}.")
+        if w.dim() != 2:
+            raise RuntimeError(f"weight[{i}] must be 2-D (K, N), got {w.dim()} dims.")
+        if not xt.is_contiguous():
+            raise RuntimeError(f"x[{i}] is not contiguous; x does not support transposition.")
+        if xt.shape[-1] != w.shape[0]:
+            raise RuntimeError(f"group {i}: x's last dim {xt.shape[-1]} is not weight's K "
+                               f"{w.shape[0]}.")
+        if xt.shape[-1] > _MAX_INNER or w.shape[1] > _MAX_INNER:
+            raise RuntimeError(f"group {i}: the last dims of x and weight must stay below "
+                               f"65536.")
+    if len({w.is_contiguous() for w in ws}) > 1:
+        raise RuntimeError("the weights must all be transposed or none of them.")
+    bias_dtype = torch.float16 if dtype == torch.float16 else torch.float32
+    if biases and (len(biases) != len(ws) or any(
+            b.dtype != bias_dtype or tuple(b.shape) != (w.shape[1],)
+            for b, w in zip(biases, ws, strict=False))):
+        raise RuntimeError(f"bias must hold one (N_i,) {bias_dtype} tensor per weight.")
+
+    def product(i: int) -> torch.Tensor:
+        out = xs[i].float() @ ws[i].float()
+        return (out + biases[i].float() if biases else out).to(dtype)
+
+    if group_type == -1:
+        if split_item not in (0, 1):
+            raise RuntimeError(f"group_type=-1 (multi-multi-multi) takes split_item 0 or 1, "
+                               f"got {split_item}.")
+        if group_list is not None:
+            raise RuntimeError("group_type=-1 takes no group_list.")
+        if len({xt.dim() for xt in xs}) > 1 or not 2 <= xs[0].dim() <= 6:
+            raise RuntimeError(f"the x tensors must share one rank of 2 to 6 dims, got "
+                               f"{[xt.dim() for xt in xs]}.")
+        return [product(i) for i in range(len(xs))]
+    if split_item not in (2, 3):
+        raise RuntimeError(f"several x tensors with group_type=0 (multi-multi-single) take "
+                           f"split_item 2 or 3, got {split_item}.")
+    if any(xt.dim() != 2 for xt in xs) or len({w.shape[1] for w in ws}) > 1:
+        raise RuntimeError("multi-multi-single takes 2-D x tensors and weights of one N.")
+    if group_list is not None:
+        if not isinstance(group_list, torch.Tensor):
+            raise NotImplementedError("only a Tensor group_list is modelled.")
+        if group_list_type == 2:
+            raise NotImplementedError("group_list_type=2 ([E, 2] pairs) is not modelled.")
+        rows = sum(xt.shape[0] for xt in xs)
+        bounds = _group_bounds(group_list, group_list_type, rows, len(ws))
+        if [end - start for start, end in bounds] != [xt.shape[0] for xt in xs]:
+            raise RuntimeError(f"group_list {group_list.tolist()} does not describe the x "
+                               f"tensors' rows {[xt.shape[0] for xt in xs]}.")
+    return [torch.cat([product(i) for i in range(len(xs))])]
+
+
 def _grouped_matmul_along_k(xt, ws, group_list, list_type, bias, scale, per_token_scale,
                             output_dtype) -> torch.Tensor:
     """``npu_grouped_matmul`` with ``group_type=2``, the page's A2/A3 row for grouping along
@@ -477,10 +570,11 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
       int32 per group: ``y = (x @ w + bias) * scale * per_token_scale``.
 
     ``group_type=2`` groups along K instead (the single-single-single form, not quantized):
-    see ``_grouped_matmul_along_k``.
+    see ``_grouped_matmul_along_k``. Several x tensors (``group_type`` -1 multi-multi-multi,
+    ``group_type`` 0 multi-multi-single), not quantized: see ``_grouped_matmul_multi_x``.
 
-    Not modelled (``NotImplementedError``): a list ``group_list``, ``group_type`` -1,
-    ``group_list_type=2``, ``split_item`` 0/1, several x tensors, antiquant (fake-quant)
+    Not modelled (``NotImplementedError``): a list ``group_list``, quantized multi-x forms,
+    ``group_list_type=2``, ``split_item`` 0/1 with one x tensor, antiquant (fake-quant)
     weights, int4 inputs, int64 scales / int8 output, ``act_type`` other than 0,
     ``tuning_config``. ``offset`` and the ``activation_*`` arguments must be None.
     """
@@ -502,6 +596,10 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
                                   "modelled by the reference torch_npu.")
     if tuning_config is not None:
         raise NotImplementedError("tuning_config is not modelled by the reference torch_npu.")
+    if group_type == -1 or len(xs) > 1:
+        return _grouped_matmul_multi_x(xs, ws, _as_list("bias", bias), scale, per_token_scale,
+                                       group_list, split_item, group_type, group_list_type,
+                                       act_type, output_dtype)
     if not isinstance(group_list, torch.Tensor):
         raise NotImplementedError("only a Tensor group_list is modelled (a List[int] "
                                   "group_list or none at all is not).")
