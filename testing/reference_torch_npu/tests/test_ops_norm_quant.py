@@ -315,7 +315,8 @@ def test_quant_matmul_follows_the_formula(torch_npu, output_dtype, bias_dtype):
     ({"x1": torch.ones(4, 8)}, RuntimeError, "x1 and x2 must be int8"),
     ({"x1": _int8(2, 4, 8)}, NotImplementedError, "batched"),
     ({"group_sizes": [1, 1, 128]}, NotImplementedError, "group_sizes"),
-    ({"scale": torch.ones(1, dtype=torch.int64)}, NotImplementedError, "npu_trans_quant_param"),
+    ({"scale": torch.ones(1, dtype=torch.int64)}, RuntimeError,
+     r"int64 scale \(from npu_trans_quant_param\) goes with float16"),
 ])
 def test_quant_matmul_refuses_what_the_page_rules_out(torch_npu, kwargs, error, match):
     args = {"x1": _int8(4, 8), "x2": _int8(8, 3), "scale": torch.ones(3),

@@ -356,3 +356,106 @@ def test_grouped_matmul_refuses(torch_npu, kwargs, error, match):
     x, weight = args.pop("x"), args.pop("weight")
     with pytest.raises(error, match=match):
         torch_npu.npu_grouped_matmul(x, weight, **args)
+
+
+# --- npu_trans_quant_param ----------------------------------------------------------------
+
+
+def _float_bits(value: float) -> int:
+    import struct
+
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def _round_to_10_mantissa_bits(value: float) -> float:
+    """Round a normal float32 to the nearest float with 10 mantissa bits, ties to even:
+    computed on exact Python floats, independently of the bit manipulation under test."""
+    import math
+
+    mantissa, exponent = math.frexp(value)  # value = mantissa * 2**exponent, 0.5 <= |m| < 1
+    step = 2.0 ** (exponent - 11)  # the spacing of 10-bit-mantissa floats at this exponent
+    return round(value / step) * step  # Python rounds half to even
+
+
+@pytest.mark.parametrize("device", ["cpu", "npu"])
+def test_trans_quant_param_keeps_the_top_19_bits_and_sets_bit_46(torch_npu, device):
+    """The real op's test golden: scale bits & 0xFFFFE000, with 1 << 46 (round_mode 0)."""
+    torch.manual_seed(10)
+    scale = torch.rand(16) + 2
+    out = torch_npu.npu_trans_quant_param(scale.to(device)).cpu()
+    assert out.dtype == torch.int64 and out.shape == (16,)
+    for word, value in zip(out.tolist(), scale.tolist()):
+        assert word == (_float_bits(value) & 0xFFFFE000) | (1 << 46)
+    # None is the schema's default round_mode (int?), and round_mode is positional.
+    assert torch.equal(torch_npu.npu_trans_quant_param(scale, None, None), out)
+
+
+def test_trans_quant_param_round_mode_1_rounds_to_nearest_even(torch_npu):
+    import struct
+
+    torch.manual_seed(11)
+    values = torch.cat([torch.randn(64) * 100, torch.tensor([1.0, -3.0, 1e-3])])
+    # Ties on purpose: exactly halfway between two 10-bit mantissas, both parities.
+    values = torch.cat([values, torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11])])
+    out = torch_npu.npu_trans_quant_param(values, round_mode=1)
+    for word, value in zip(out.tolist(), values.tolist()):
+        assert word >> 32 == 1 << 14  # bit 46 only above the scale
+        rounded = _round_to_10_mantissa_bits(value)
+        assert word & 0xFFFFFFFF == _float_bits(rounded), (value, rounded)
+    assert struct.pack("<I", out[-2].item() & 0xFFFFFFFF) == struct.pack("<f", 1.0)
+    assert (out[-1].item() & 0xFFFFFFFF) == _float_bits(1 + 4 * 2 ** -11)
+    zero = torch_npu.npu_trans_quant_param(torch.tensor([0.0, 1e-40]), round_mode=1)
+    assert zero.tolist() == [1 << 46, 1 << 46]  # a subnormal keeps no bits when rounded
+
+
+def test_trans_quant_param_packs_the_offset_as_int9(torch_npu):
+    from torch_npu._ops_quant import decode_trans_quant_param
+
+    scale = torch.tensor([0.5])
+    offset = torch.tensor([-300.0, -2.5, 0.5, 1.5, 255.7, -1.0])
+    out = torch_npu.npu_trans_quant_param(scale, offset)
+    assert out.shape == (6,)
+    decoded_scale, decoded_offset = decode_trans_quant_param(out)
+    assert decoded_offset.tolist() == [-256, -2, 0, 2, 255, -1]  # half to even, clamped
+    assert (decoded_scale == 0.5).all() and ((out >> 46) & 1).all()
+    assert ((out[-1].item() >> 37) & 0x1FF) == 0x1FF  # -1 as nine bits
+    # A 1-D scale of n with one offset, and the 2-D (1, n) form.
+    wide = torch_npu.npu_trans_quant_param(torch.full((4,), 0.25), torch.tensor([3.0]))
+    assert decode_trans_quant_param(wide)[1].tolist() == [3] * 4
+    two_d = torch_npu.npu_trans_quant_param(torch.full((1, 4), 0.25), torch.ones(1, 4))
+    assert two_d.shape == (1, 4) and decode_trans_quant_param(two_d)[1].tolist() == [[1] * 4]
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    ((torch.ones(4, dtype=torch.float16),), "float32"),
+    ((torch.ones(1, 2, 2),), "1-D or 2-D"),
+    ((torch.ones(0),), "non-empty"),
+    ((torch.ones(3), torch.ones(4)), "one length or length 1"),
+    ((torch.ones(1, 4), torch.ones(4)), r"both be \(1, n\)"),
+    ((torch.ones(2, 4), torch.ones(2, 4)), r"both be \(1, n\)"),
+    ((torch.ones(4), None, 2), "round_mode=2 is not supported"),
+])
+def test_trans_quant_param_refuses(torch_npu, args, match):
+    with pytest.raises(RuntimeError, match=match):
+        torch_npu.npu_trans_quant_param(*args)
+
+
+def test_quant_matmul_reads_the_scale_an_int64_word_holds(torch_npu):
+    """Table 2's first row: int64 scale (npu_trans_quant_param), float16 output, no
+    pertoken_scale: the result is the float32 path's with the 19-bit scale."""
+    torch.manual_seed(12)
+    x1 = torch.randint(-128, 128, (5, 32), dtype=torch.int8)
+    x2 = torch.randint(-128, 128, (32, 6), dtype=torch.int8)
+    scale = torch.rand(6) / 50
+    bias = torch.randint(-20, 20, (6,), dtype=torch.int32)
+    words = torch_npu.npu_trans_quant_param(scale)
+    kept = (scale.view(torch.int32) & -8192).view(torch.float32)  # 0xFFFFE000 as int32
+    out = torch_npu.npu_quant_matmul(x1, x2, words, bias=bias, output_dtype=torch.float16)
+    want = torch_npu.npu_quant_matmul(x1, x2, kept, bias=bias, output_dtype=torch.float16)
+    assert torch.equal(out, want)
+    assert not torch.equal(kept, scale)  # the truncation is visible
+    with pytest.raises(RuntimeError, match="float16"):
+        torch_npu.npu_quant_matmul(x1, x2, words, output_dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="carrying an offset"):
+        torch_npu.npu_quant_matmul(x1, x2, torch_npu.npu_trans_quant_param(scale, torch.ones(6)),
+                                   output_dtype=torch.float16)

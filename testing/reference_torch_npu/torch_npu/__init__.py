@@ -83,6 +83,7 @@ npu_rotary_mul = _on_device(_ops_norm_quant.npu_rotary_mul)
 npu_convert_weight_to_int4pack = _on_device(_ops_quant.npu_convert_weight_to_int4pack)
 npu_grouped_matmul = _on_device(_ops_quant.npu_grouped_matmul, nz=("weight",))
 npu_quantize = _on_device(_ops_quant.npu_quantize)
+npu_trans_quant_param = _on_device(_ops_quant.npu_trans_quant_param)
 npu_weight_quant_batchmatmul = _on_device(_ops_quant.npu_weight_quant_batchmatmul,
                                           nz=("weight",))
 # Formats act on npu tensors themselves (their storage), not on host views.
@@ -103,5 +104,6 @@ __all__ = ["Format", "get_npu_format", "npu_format_cast", "npu", "npu_fusion_att
            "npu_apply_rotary_pos_emb", "npu_dynamic_quant", "npu_quant_matmul", "npu_rotary_mul",
            "npu_moe_gating_top_k", "npu_moe_gating_top_k_softmax", "npu_top_k_top_p",
            "npu_convert_weight_to_int4pack", "npu_grouped_matmul", "npu_quantize",
+           "npu_trans_quant_param",
            "npu_weight_quant_batchmatmul", "npu_fused_infer_attention_score",
            "npu_scatter_pa_kv_cache"]

@@ -391,7 +391,9 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     - ``x1`` ``(m, k)``, ``x2`` ``(k, n)``: int8 (batched 3-6 dim inputs and int32-packed
       int4 are not modelled); ``k`` and ``n`` (the last dims) at most 65535.
     - ``scale``: 1-D ``(1,)`` or ``(n,)``; float32 or bfloat16 for bfloat16 output, float32
-      for float16 output (int64 scales from ``npu_trans_quant_param`` are not modelled).
+      for float16 output, or int64 words of ``npu_trans_quant_param`` for float16 output
+      without ``pertoken_scale`` (the scale they hold, its top 19 bits, is used; one
+      carrying an offset is for int8 output, not modelled).
     - ``pertoken_scale``: optional float32 ``(m,)``.
     - ``bias``: optional ``(n,)``; int32, bfloat16 or float32 (float16 output without
       ``pertoken_scale`` takes int32 only).
@@ -437,8 +439,16 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
         raise RuntimeError("offset applies to int8 output only; with float16/bfloat16 output "
                            "it must be None.")
     if scale.dtype == torch.int64:
-        raise NotImplementedError("int64 scales (npu_trans_quant_param) are not modelled by "
-                                  "the reference torch_npu.")
+        # npu_trans_quant_param's words: the page's row for float16 output, no pertoken_scale.
+        if output_dtype != torch.float16 or pertoken_scale is not None:
+            raise RuntimeError("an int64 scale (from npu_trans_quant_param) goes with float16 "
+                               "(or int8) output and no pertoken_scale.")
+        from torch_npu._ops_quant import decode_trans_quant_param
+
+        scale, word_offset = decode_trans_quant_param(scale)
+        if word_offset.any():
+            raise NotImplementedError("an int64 scale carrying an offset (int8 output) is not "
+                                      "modelled by the reference torch_npu.")
     allowed_scale = (torch.float32, torch.bfloat16) if output_dtype == torch.bfloat16 else (
         torch.float32,)
     if scale.dtype not in allowed_scale:

@@ -190,6 +190,80 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
     return pack_int4_words(rounded.clamp(_INT4_MIN, _INT4_MAX))
 
 
+# --- npu_trans_quant_param ----------------------------------------------------------------
+
+_QUANT_FLAG = 1 << 46  # set in every word the op writes
+_OFFSET_SHIFT = 37  # the int9 offset's bits 37..45
+
+
+def _fp19_bits(bits: torch.Tensor, round_mode: int) -> torch.Tensor:
+    """float32 bit patterns (int64 holding 32 bits) -> the top 19 bits the hardware keeps,
+    in place: truncated (``round_mode`` 0) or rounded to nearest even (1; zero and
+    subnormal inputs become a signed zero, infinities and NaNs are truncated)."""
+    if round_mode == 0:
+        return bits & 0xFFFFE000
+    sign, exponent = (bits >> 31) & 1, (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    kept, round_bit, sticky = mantissa >> 13, (mantissa >> 12) & 1, mantissa & 0xFFF
+    normal = (exponent != 0) & (exponent != 0xFF)
+    up = normal & (round_bit == 1) & ((sticky != 0) | ((kept & 1) == 1))
+    kept = kept + up.to(kept.dtype)
+    carry = kept >= (1 << 10)
+    kept = torch.where(carry, torch.zeros_like(kept), kept)
+    exponent = exponent + carry.to(exponent.dtype)
+    fp19 = torch.where(exponent == 0, sign << 18, (sign << 18) | (exponent << 10) | kept)
+    return fp19 << 13
+
+
+def npu_trans_quant_param(scale, offset=None, round_mode=0):
+    """``torch_npu.npu_trans_quant_param(scale, offset=None, round_mode=0) -> Tensor``
+    (schema ``int? round_mode=0``: None means 0).
+
+    Follows Ascend/op-plugin ``docs/context/torch_npu-npu_trans_quant_param.md`` and the
+    bit layout of CANN's TransQuantParamV2 (its README): each int64 word holds the float32
+    ``scale``'s top 19 bits in bits 0..31 (the low 13 bits cleared: truncated for
+    ``round_mode`` 0, rounded to nearest even for 1), bit 46 set, and, with ``offset``,
+    ``clamp(round_half_even(offset), -256, 255)`` as a 9-bit two's-complement value in
+    bits 37..45 (the real op's test golden for the scale part).
+
+    - ``scale``: float32, 1-D or 2-D, not empty.
+    - ``offset``: optional float32, 1-D or 2-D. 1-D ``scale`` and ``offset`` broadcast
+      (each of length 1 or of one length ``t``); the result is 1-D of the longer. A 2-D
+      ``scale`` takes an ``offset`` of its shape ``(1, n)``.
+    """
+    round_mode = 0 if round_mode is None else _require_int("round_mode", round_mode, {0, 1})
+    _require_tensor("scale", scale)
+    if scale.dtype != torch.float32 or scale.dim() not in (1, 2) or scale.numel() == 0:
+        raise RuntimeError(f"scale must be a non-empty 1-D or 2-D float32 tensor, got "
+                           f"{scale.dtype} {tuple(scale.shape)}.")
+    bits = _fp19_bits(scale.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF,
+                      round_mode) | _QUANT_FLAG
+    if offset is None:
+        return bits
+    _require_tensor("offset", offset)
+    if offset.dtype != torch.float32 or offset.dim() not in (1, 2) or offset.numel() == 0:
+        raise RuntimeError(f"offset must be a non-empty 1-D or 2-D float32 tensor, got "
+                           f"{offset.dtype} {tuple(offset.shape)}.")
+    if scale.dim() == 2:
+        if tuple(offset.shape) != tuple(scale.shape) or scale.shape[0] != 1:
+            raise RuntimeError(f"with a 2-D scale, scale and offset must both be (1, n); got "
+                               f"{tuple(scale.shape)} and {tuple(offset.shape)}.")
+    elif offset.dim() != 1 or 1 not in (scale.shape[0], offset.shape[0]) and \
+            scale.shape[0] != offset.shape[0]:
+        raise RuntimeError(f"1-D scale and offset must have one length or length 1; got "
+                           f"{tuple(scale.shape)} and {tuple(offset.shape)}.")
+    int9 = torch.round(offset).clamp(-256, 255).to(torch.int64) & 0x1FF
+    return bits | (int9 << _OFFSET_SHIFT)
+
+
+def decode_trans_quant_param(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (float32 scale, int offset) an int64 word of ``npu_trans_quant_param`` holds:
+    the scale as the 19 bits the hardware kept."""
+    scale = (words & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    offset = (words >> _OFFSET_SHIFT) & 0x1FF
+    return scale, torch.where(offset >= 256, offset - 512, offset)
+
+
 # --- npu_convert_weight_to_int4pack -------------------------------------------------------
 
 
