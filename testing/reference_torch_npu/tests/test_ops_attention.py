@@ -209,8 +209,8 @@ def test_well_formed_call_succeeds(torch_npu):
     ({"antiquant_scale": torch.zeros(1)}, NotImplementedError, "antiquant_scale"),
     ({"input_layout": "TND"}, NotImplementedError, "TND"),
     ({"input_layout": "BNSD"}, NotImplementedError, "'BNSD' is not modelled"),
-    ({"block_table": None}, NotImplementedError, "no block_table"),
-    ({"sparse_mode": 2}, NotImplementedError, "sparse_mode=2 is not modelled"),
+    ({"block_table": None}, RuntimeError, "without block_table"),
+    ({"sparse_mode": 4}, NotImplementedError, "sparse_mode=4"),
     ({"sparse_mode": 7}, RuntimeError, "allows 0 to 4"),
     ({"sparse_mode": 0}, NotImplementedError, "full atten_mask"),
     ({"atten_mask": None}, RuntimeError, "needs the compressed"),
@@ -234,6 +234,145 @@ def test_fused_attention_refuses_what_it_does_not_model(torch_npu, overrides, er
         _call(torch_npu, **overrides)
 
 
-def test_decode_with_mask_is_not_modelled(torch_npu):
-    with pytest.raises(NotImplementedError, match="Q_S = 1"):
+def test_a_full_mask_with_page_attention_is_not_modelled(torch_npu):
+    with pytest.raises(NotImplementedError, match="full atten_mask with page attention"):
         _call(torch_npu, query=torch.zeros(1, 1, 2, 16, dtype=torch.float16))
+
+
+# --- dense key/value, BNSD, user masks ------------------------------------------------------
+
+
+def _dense(tensor_bsnd: torch.Tensor, layout: str) -> torch.Tensor:
+    """[B, S, N, D] -> the layout's tensor."""
+    if layout == "BSH":
+        return tensor_bsnd.flatten(2)
+    return tensor_bsnd.transpose(1, 2).contiguous() if layout == "BNSD" else tensor_bsnd
+
+
+def _masked_attention(q, k, v, scale, allowed):
+    """One batch: q [q, N, D], k/v [k, KVH, D], allowed [q, k] bool."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = scale * torch.einsum("qnd,knd->nqk", q.float(), k)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("nqk,knd->qnd", probs, v), torch.logsumexp(
+        scores.masked_fill(~allowed, float("-inf")), -1)
+
+
+@pytest.mark.parametrize("layout", ["BSND", "BSH", "BNSD"])
+@pytest.mark.parametrize("dtype", HALF)
+def test_dense_key_value_in_each_layout_matches_plain_attention(torch_npu, layout, dtype):
+    gen = torch.Generator().manual_seed(20)
+    batch, q_s, kv_s, heads, kv_heads, dim = 2, 5, 9, 4, 2, 32
+    q = torch.randn(batch, q_s, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(batch, kv_s, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(batch, kv_s, kv_heads, dim, generator=gen).to(dtype)
+    kv_lens = [9, 6]
+    out, lse = torch_npu.npu_fused_infer_attention_score(
+        _dense(q, layout), _dense(k, layout), _dense(v, layout), num_heads=heads,
+        num_key_value_heads=kv_heads, input_layout=layout, scale=0.2,
+        actual_seq_lengths_kv=kv_lens, softmax_lse_flag=True)
+    assert out.shape == _dense(q, layout).shape and out.dtype == dtype
+    out_bsnd = out if layout == "BSND" else (
+        out.reshape(batch, q_s, heads, dim) if layout == "BSH" else out.transpose(1, 2))
+    for b, kv_len in enumerate(kv_lens):
+        want, want_lse = _masked_attention(q[b], k[b, :kv_len], v[b, :kv_len], 0.2,
+                                           torch.ones(q_s, kv_len, dtype=torch.bool))
+        torch.testing.assert_close(out_bsnd[b].float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(lse[b, :, :, 0], want_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask_shape", ["QK", "1QK", "BQK", "B1QK", "11QK"])
+@pytest.mark.parametrize("sparse_mode", [0, 1])
+def test_a_full_user_mask_hides_what_it_marks(torch_npu, mask_shape, sparse_mode):
+    """sparse_mode 0 / 1 with the full mask: 1 (True) is not computed; the mask's S dims
+    may be padded up to an aligned size and the padding is not read."""
+    gen = torch.Generator().manual_seed(21)
+    batch, q_s, kv_s, heads, dim = 2, 3, 5, 2, 16
+    q = torch.randn(batch, heads, q_s, dim, generator=gen).half()
+    k = torch.randn(batch, heads, kv_s, dim, generator=gen).half()
+    padded = torch.rand(batch, 16, 32, generator=gen) < 0.4
+    padded[:, :, 0] = False  # every row keeps key 0
+    if mask_shape in ("QK", "1QK", "11QK"):
+        padded[1] = padded[0]
+    mask = {"QK": padded[0], "1QK": padded[:1], "BQK": padded, "B1QK": padded[:, None],
+            "11QK": padded[:1, None]}[mask_shape].to(torch.int8)
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, k, num_heads=heads, input_layout="BNSD", atten_mask=mask,
+        sparse_mode=sparse_mode)
+    for b in range(batch):
+        allowed = ~padded[b, :q_s, :kv_s]
+        want, _ = _masked_attention(q[b].transpose(0, 1), k[b].transpose(0, 1),
+                                    k[b].transpose(0, 1), 1.0, allowed)
+        torch.testing.assert_close(out[b].transpose(0, 1).float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_left_up_causal_sees_keys_up_to_its_own_row(torch_npu):
+    gen = torch.Generator().manual_seed(22)
+    q = torch.randn(1, 4, 2, 16, generator=gen).half()
+    k = torch.randn(1, 7, 2, 16, generator=gen).half()
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, k, num_heads=2, input_layout="BSND", atten_mask=CAUSAL_MASK, sparse_mode=2)
+    rows, cols = torch.arange(4)[:, None], torch.arange(7)[None]
+    want, _ = _masked_attention(q[0], k[0], k[0], 1.0, cols <= rows)
+    torch.testing.assert_close(out[0].float(), want, atol=2e-3, rtol=2e-3)
+    right, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, k, num_heads=2, input_layout="BSND", atten_mask=CAUSAL_MASK, sparse_mode=3)
+    want_right, _ = _masked_attention(q[0], k[0], k[0], 1.0, cols <= rows + 3)
+    torch.testing.assert_close(right[0].float(), want_right, atol=2e-3, rtol=2e-3)
+
+
+def test_decode_mask_hides_padding_keys(torch_npu):
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(2, 1, 2, 16, generator=gen).half()
+    k = torch.randn(2, 6, 2, 16, generator=gen).half()
+    mask = torch.zeros(2, 1, 1, 16, dtype=torch.bool)
+    mask[0, ..., 4:] = True
+    mask[1, ..., :2] = True
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, k, num_heads=2, input_layout="BSND", atten_mask=mask, sparse_mode=3)
+    for b in range(2):
+        allowed = ~mask[b, 0, :, :6]
+        want, _ = _masked_attention(q[b], k[b], k[b], 1.0, allowed)
+        torch.testing.assert_close(out[b].float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_rows_with_no_key_need_the_row_invalid_correction(torch_npu):
+    q = torch.ones(1, 2, 2, 16, dtype=torch.float16)
+    k = torch.ones(1, 3, 2, 16, dtype=torch.float16)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    mask[1] = True  # row 1 sees nothing
+    with pytest.raises(RuntimeError, match="no key to attend"):
+        torch_npu.npu_fused_infer_attention_score(q, k, k, num_heads=2, input_layout="BSND",
+                                                  atten_mask=mask)
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, k, num_heads=2, input_layout="BSND", atten_mask=mask, inner_precise=2)
+    assert not out[0, 1].any() and out[0, 0].float().allclose(torch.ones(2, 16))
+    with pytest.raises(NotImplementedError, match="softmax_lse of a row"):
+        torch_npu.npu_fused_infer_attention_score(
+            q, k, k, num_heads=2, input_layout="BSND", atten_mask=mask, inner_precise=2,
+            softmax_lse_flag=True)
+
+
+@pytest.mark.parametrize(("overrides", "error", "match"), [
+    ({"sparse_mode": 1}, RuntimeError, "needs the full atten_mask"),
+    ({"pre_tokens": 4, "atten_mask": torch.zeros(2, 3, dtype=torch.bool)}, NotImplementedError,
+     "pre_tokens"),
+    ({"atten_mask": torch.zeros(2, 3)}, RuntimeError, "bool, int8 and uint8"),
+    ({"atten_mask": torch.zeros(2, 2, dtype=torch.bool)}, RuntimeError,
+     r"with B=1, Q_S=2, KV_S=3"),
+    ({"atten_mask": torch.zeros(3, 2, 3, dtype=torch.bool)}, RuntimeError, "it must be"),
+    ({"value": torch.zeros(1, 4, 2, 16, dtype=torch.float16)}, RuntimeError, "same shape"),
+    ({"key": torch.zeros(1, 3, 1, 16, dtype=torch.float16),
+      "value": torch.zeros(1, 3, 1, 16, dtype=torch.float16)}, RuntimeError,
+     "num_key_value_heads=2"),
+    ({"actual_seq_lengths_kv": [4]}, RuntimeError, r"actual_seq_lengths_kv\[0\] = 4"),
+])
+def test_dense_attention_refuses_what_the_page_rules_out(torch_npu, overrides, error, match):
+    kwargs = dict(query=torch.zeros(1, 2, 2, 16, dtype=torch.float16),
+                  key=torch.zeros(1, 3, 2, 16, dtype=torch.float16),
+                  value=torch.zeros(1, 3, 2, 16, dtype=torch.float16), num_heads=2,
+                  input_layout="BSND") | overrides
+    with pytest.raises(error, match=match):
+        torch_npu.npu_fused_infer_attention_score(**kwargs)

@@ -180,19 +180,20 @@ def _per_batch_lengths(name: str, lengths, batch: int, limit: int | None) -> lis
     return lengths
 
 
-def _check_compressed_causal_mask(atten_mask) -> None:
+def _check_compressed_causal_mask(atten_mask, mode: int = 3) -> None:
     _require_tensor("atten_mask", atten_mask)
     side = _COMPRESSED_MASK_SIDE
     if atten_mask.dtype not in _MASK_DTYPES:
         raise RuntimeError(f"atten_mask has dtype {atten_mask.dtype}; the page allows bool, int8 "
                            "and uint8.")
     if atten_mask.shape not in ((side, side), (1, side, side), (1, 1, side, side)):
-        raise RuntimeError(f"atten_mask has shape {tuple(atten_mask.shape)}; with sparse_mode=3 "
+        raise RuntimeError(f"atten_mask has shape {tuple(atten_mask.shape)}; with "
+                           f"sparse_mode={mode} "
                            f"it must be the compressed ({side}, {side}) mask (or with leading "
                            "1s).")
     expected = torch.triu(torch.ones(side, side, dtype=torch.bool), diagonal=1)
     if not torch.equal(atten_mask.reshape(side, side).bool(), expected):
-        raise RuntimeError("atten_mask is not the compressed causal mask: with sparse_mode=3 "
+        raise RuntimeError(f"atten_mask is not the compressed causal mask: with sparse_mode={mode} "
                            "it must hold 1 strictly above the diagonal (not computed) and 0 "
                            "elsewhere, i.e. torch.triu(torch.ones(2048, 2048), diagonal=1).")
 
@@ -291,10 +292,10 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     if input_layout in ("TND", "TND_NTD", "NTD_TND"):
         raise NotImplementedError(
             f"input_layout={input_layout!r} is not modelled: the page restricts the TND "
-            "layouts to MLA head shapes; use 'BSND' or 'BSH' with page attention.")
-    if input_layout not in ("BSND", "BSH"):
+            "layouts to MLA head shapes; use 'BSND', 'BSH' or 'BNSD'.")
+    if input_layout not in ("BSND", "BSH", "BNSD"):
         raise NotImplementedError(f"input_layout={input_layout!r} is not modelled; the "
-                                  "reference models 'BSND' and 'BSH'.")
+                                  "reference models 'BSND', 'BSH' and 'BNSD'.")
     heads = _require_int("num_heads", num_heads)
     kv_heads = _require_int("num_key_value_heads", num_key_value_heads) or heads
     if heads < 1 or heads > 256:
@@ -302,24 +303,163 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     if heads % kv_heads or heads // kv_heads > 64:
         raise RuntimeError(f"num_heads={heads} and num_key_value_heads={kv_heads}: num_heads "
                            "must be a multiple of num_key_value_heads, at most 64 times it.")
-    if input_layout == "BSND":
-        if query.dim() != 4 or query.shape[2] != heads:
-            raise RuntimeError(f"query has shape {tuple(query.shape)}; with input_layout='BSND' "
-                               f"it must be [B, Q_S, num_heads={heads}, D].")
+    if input_layout in ("BSND", "BNSD"):
+        head_axis = 2 if input_layout == "BSND" else 1
+        if query.dim() != 4 or query.shape[head_axis] != heads:
+            shape = "[B, Q_S, N, D]" if input_layout == "BSND" else "[B, N, Q_S, D]"
+            raise RuntimeError(f"query has shape {tuple(query.shape)}; with input_layout="
+                               f"{input_layout!r} it must be {shape} with N = num_heads="
+                               f"{heads}.")
         head_dim = query.shape[3]
     else:
         if query.dim() != 3 or query.shape[2] % heads:
             raise RuntimeError(f"query has shape {tuple(query.shape)}; with input_layout='BSH' "
                                f"it must be [B, Q_S, H] with H a multiple of num_heads={heads}.")
         head_dim = query.shape[2] // heads
-    batch, q_s = query.shape[0], query.shape[1]
+    batch = query.shape[0]
+    q_s = query.shape[2] if input_layout == "BNSD" else query.shape[1]
     if head_dim % 16 or head_dim > 512:
         raise RuntimeError(f"head dim D={head_dim}; with float16/bfloat16 inputs it must be a "
                            "multiple of 16 and at most 512.")
 
     if block_table is None:
-        raise NotImplementedError("attention over dense key/value (no block_table) is not "
-                                  "modelled; the reference models page attention.")
+        dense = _dense_key_value(key, value, input_layout, batch, kv_heads, head_dim)
+        kv_s = dense[0].shape[1]
+        kv_lengths = ([kv_s] * batch if actual_seq_lengths_kv is None else _per_batch_lengths(
+            "actual_seq_lengths_kv", actual_seq_lengths_kv, batch, kv_s))
+    else:
+        if input_layout == "BNSD":
+            raise NotImplementedError("page attention with input_layout='BNSD' is not "
+                                      "modelled; use 'BSND' or 'BSH'.")
+        dense, kv_s = None, None
+        kv_lengths = _check_paged_key_value(key, value, block_table, block_size,
+                                            actual_seq_lengths_kv, batch, q_s, kv_heads,
+                                            head_dim)
+    if actual_seq_lengths is None or q_s == 1:
+        q_lengths = [q_s] * batch
+    else:
+        q_lengths = _per_batch_lengths("actual_seq_lengths", actual_seq_lengths, batch, q_s)
+
+    mode = _require_int("sparse_mode", sparse_mode)
+    if mode not in (0, 1, 2, 3, 4):
+        raise RuntimeError(f"sparse_mode={mode}; the page allows 0 to 4.")
+    full_mask = causal = None  # a [B, Q_S, KV_S] bool mask (True: not computed) / an offset
+    if q_s == 1:
+        if atten_mask is not None:  # the page: sparse_mode has no effect when Q_S is 1
+            full_mask = _full_atten_mask(atten_mask, batch, 1, kv_s, decode=True)
+    elif mode in (0, 1):
+        if (pre_tokens, next_tokens) != (_INT_MAX, _INT_MAX):
+            raise NotImplementedError("pre_tokens/next_tokens other than their defaults are "
+                                      "not modelled.")
+        if atten_mask is not None:
+            full_mask = _full_atten_mask(atten_mask, batch, q_s, kv_s, decode=False)
+        elif mode == 1:
+            raise RuntimeError("sparse_mode=1 (allMask) needs the full atten_mask (Q_S x KV_S).")
+    elif mode in (2, 3):
+        if atten_mask is None:
+            raise RuntimeError(f"sparse_mode={mode} needs the compressed (2048, 2048) "
+                               "atten_mask.")
+        _check_compressed_causal_mask(atten_mask, mode)
+        causal = mode
+    else:
+        raise NotImplementedError("sparse_mode=4 (band, from pre_tokens/next_tokens) is not "
+                                  "modelled.")
+    if _require_int("inner_precise", inner_precise) not in (0, 1, 2, 3):
+        raise RuntimeError(f"inner_precise={inner_precise}; the page allows 0 to 3.")
+    if q_s == 1 and inner_precise not in (0, 1):
+        raise RuntimeError(f"inner_precise={inner_precise} with Q_S = 1; the page allows 0 or 1.")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}.")
+    if not isinstance(softmax_lse_flag, bool):
+        raise TypeError(f"softmax_lse_flag must be a bool, got "
+                        f"{type(softmax_lse_flag).__name__}.")
+
+    if input_layout == "BNSD":
+        q_all = query.transpose(1, 2).float()              # [B, Q_S, N, D]
+    else:
+        q_all = query.reshape(batch, q_s, heads, head_dim).float()
+    out = torch.zeros(batch, q_s, heads, head_dim, dtype=torch.float32)
+    lse = torch.zeros(batch, heads, q_s, 1, dtype=torch.float32)
+    group = heads // kv_heads
+    for b in range(batch):
+        q_len, kv_len = q_lengths[b], kv_lengths[b]
+        if q_len == 0:
+            continue
+        if kv_len == 0:
+            continue  # the page: empty keys give zero output
+        if dense is not None:
+            keys, values = dense[0][b, :kv_len].float(), dense[1][b, :kv_len].float()
+        else:
+            block = block_size
+            keys = _paged_sequence(key, block_table[b], kv_len, block, kv_heads).float()
+            values = _paged_sequence(value, block_table[b], kv_len, block, kv_heads).float()
+        keys = keys.repeat_interleave(group, dim=1)        # [kv_len, N, D]
+        values = values.repeat_interleave(group, dim=1)
+        q = q_all[b, :q_len]                               # [q_len, N, D]
+        scores = float(scale) * torch.einsum("qnd,knd->nqk", q, keys)
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
+        if causal is not None:
+            rows = torch.arange(q_len).unsqueeze(1)
+            cols = torch.arange(kv_len).unsqueeze(0)
+            # leftUpCausal: row i sees keys j <= i; rightDownCausal: j <= i + kv - q.
+            allowed = cols <= rows + (0 if causal == 2 else kv_len - q_len)
+        if full_mask is not None:
+            allowed = allowed & ~full_mask[b, :q_len, :kv_len]
+        empty_rows = ~allowed.any(dim=1)
+        if bool(empty_rows.any()):
+            if inner_precise in (0, 1):
+                first = empty_rows.nonzero().flatten()[:8].tolist()
+                raise RuntimeError(f"batch {b}: query rows {first} have no key to attend; the "
+                                   f"page leaves their "
+                                   "result open unless inner_precise is 2 or 3 (row-invalid "
+                                   "correction).")
+            if softmax_lse_flag:
+                raise NotImplementedError("softmax_lse of a row with no key to attend is not "
+                                          "modelled.")
+        scores = scores.masked_fill(~allowed, -math.inf)
+        row_lse = torch.logsumexp(scores, dim=-1)          # [N, q_len]
+        probs = torch.exp(scores - row_lse.unsqueeze(-1)).nan_to_num(0.0)
+        out[b, :q_len] = torch.einsum("nqk,knd->qnd", probs, values)  # invalid rows: zeros
+        lse[b, :, :q_len, 0] = row_lse
+    if input_layout == "BNSD":
+        attention_out = out.transpose(1, 2).to(query.dtype).contiguous()
+    else:
+        attention_out = out.to(query.dtype).reshape(query.shape)
+    softmax_lse = lse if softmax_lse_flag else torch.zeros(1, dtype=torch.float32)
+    return attention_out, softmax_lse
+
+
+def _dense_key_value(key, value, layout: str, batch: int, kv_heads: int,
+                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ``key``/``value`` in ``layout`` (the query's) as ``[B, KV_S, kv_N, D]``."""
+    if tuple(key.shape) != tuple(value.shape):
+        raise RuntimeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have "
+                           "the same shape.")
+    expected = {"BSH": "[B, KV_S, num_key_value_heads * D]",
+                "BSND": "[B, KV_S, num_key_value_heads, D]",
+                "BNSD": "[B, num_key_value_heads, KV_S, D]"}[layout]
+    if layout == "BSH":
+        ok = key.dim() == 3 and key.shape[2] == kv_heads * head_dim
+    elif layout == "BSND":
+        ok = key.dim() == 4 and key.shape[2] == kv_heads and key.shape[3] == head_dim
+    else:
+        ok = key.dim() == 4 and key.shape[1] == kv_heads and key.shape[3] == head_dim
+    if not ok or key.shape[0] != batch:
+        raise RuntimeError(f"key has shape {tuple(key.shape)}; without block_table, with "
+                           f"input_layout={layout!r}, it must be {expected} with B={batch}, "
+                           f"num_key_value_heads={kv_heads}, D={head_dim}.")
+
+    def as_bsnd(tensor: torch.Tensor) -> torch.Tensor:
+        if layout == "BSH":
+            return tensor.reshape(batch, tensor.shape[1], kv_heads, head_dim)
+        return tensor.transpose(1, 2) if layout == "BNSD" else tensor
+
+    return as_bsnd(key), as_bsnd(value)
+
+
+def _check_paged_key_value(key, value, block_table, block_size, actual_seq_lengths_kv,
+                           batch: int, q_s: int, kv_heads: int, head_dim: int) -> list[int]:
+    """Check page attention's caches and table; each batch's key/value length."""
     _check_block_table(block_table, batch)
     block = _require_int("block_size", block_size)
     if q_s == 1:
@@ -343,10 +483,6 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         raise RuntimeError("page attention needs actual_seq_lengths_kv.")
     kv_lengths = _per_batch_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch,
                                     None)
-    if actual_seq_lengths is None or q_s == 1:
-        q_lengths = [q_s] * batch
-    else:
-        q_lengths = _per_batch_lengths("actual_seq_lengths", actual_seq_lengths, batch, q_s)
     blocks_per_batch = [-(-length // block) for length in kv_lengths]
     if max(blocks_per_batch, default=0) > block_table.shape[1]:
         raise RuntimeError(f"block_table has {block_table.shape[1]} columns but a batch needs "
@@ -360,70 +496,41 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         if count and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
             raise RuntimeError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
                                f"{num_blocks - 1}].")
+    return kv_lengths
 
-    mode = _require_int("sparse_mode", sparse_mode)
-    if mode not in (0, 1, 2, 3, 4):
-        raise RuntimeError(f"sparse_mode={mode}; the page allows 0 to 4.")
-    causal = False
-    if q_s == 1:
-        if atten_mask is not None:
-            raise NotImplementedError("atten_mask with Q_S = 1 is not modelled.")
-    elif mode == 0:
-        if atten_mask is not None:
-            raise NotImplementedError("sparse_mode=0 with a full atten_mask is not modelled; "
-                                      "pass no mask, or sparse_mode=3 with the compressed "
-                                      "causal mask.")
-    elif mode == 3:
-        if atten_mask is None:
-            raise RuntimeError("sparse_mode=3 needs the compressed (2048, 2048) atten_mask.")
-        _check_compressed_causal_mask(atten_mask)
-        causal = True
+
+def _full_atten_mask(atten_mask, batch: int, q_s: int, kv_s: int | None,
+                     decode: bool) -> torch.Tensor:
+    """A user mask (True / nonzero: not computed) as ``[B, Q_S, KV_S']`` bool, from the
+    shapes the page lists: ``(Q_S, KV_S)``, ``(B | 1, Q_S, KV_S)``, ``(B | 1, 1, Q_S,
+    KV_S)`` when Q_S > 1, ``(B, KV_S)``, ``(B, 1, KV_S)``, ``(B, 1, 1, KV_S)`` when Q_S is 1;
+    its S dims may be padded up (alignment), the extra part is not read."""
+    _require_tensor("atten_mask", atten_mask)
+    if atten_mask.dtype not in _MASK_DTYPES:
+        raise RuntimeError(f"atten_mask has dtype {atten_mask.dtype}; the page allows bool, int8 "
+                           "and uint8.")
+    if kv_s is None:
+        raise NotImplementedError("a full atten_mask with page attention is not modelled "
+                                  "(its KV_S is the caches' layout, not a tensor dim).")
+    shape = tuple(atten_mask.shape)
+    if decode:
+        ok = (len(shape) in (2, 3, 4) and shape[0] == batch
+              and all(d == 1 for d in shape[1:-1]))
+        mask = atten_mask.reshape(batch, 1, shape[-1]) if ok else None
     else:
-        raise NotImplementedError(f"sparse_mode={mode} is not modelled; the reference "
-                                  "models 0 (no mask) and 3 (rightDownCausal).")
-    if _require_int("inner_precise", inner_precise) not in (0, 1, 2, 3):
-        raise RuntimeError(f"inner_precise={inner_precise}; the page allows 0 to 3.")
-    if q_s == 1 and inner_precise not in (0, 1):
-        raise RuntimeError(f"inner_precise={inner_precise} with Q_S = 1; the page allows 0 or 1.")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__}.")
-    if not isinstance(softmax_lse_flag, bool):
-        raise TypeError(f"softmax_lse_flag must be a bool, got "
-                        f"{type(softmax_lse_flag).__name__}.")
-
-    q_all = query.reshape(batch, q_s, heads, head_dim).float()
-    out = torch.zeros(batch, q_s, heads, head_dim, dtype=torch.float32)
-    lse = torch.zeros(batch, heads, q_s, 1, dtype=torch.float32)
-    group = heads // kv_heads
-    for b in range(batch):
-        q_len, kv_len = q_lengths[b], kv_lengths[b]
-        if q_len == 0:
-            continue
-        if kv_len == 0:
-            continue  # the page: empty keys give zero output
-        keys = _paged_sequence(key, block_table[b], kv_len, block, kv_heads).float()
-        values = _paged_sequence(value, block_table[b], kv_len, block, kv_heads).float()
-        keys = keys.repeat_interleave(group, dim=1)        # [kv_len, N, D]
-        values = values.repeat_interleave(group, dim=1)
-        q = q_all[b, :q_len]                               # [q_len, N, D]
-        scores = float(scale) * torch.einsum("qnd,knd->nqk", q, keys)
-        if causal:
-            rows = torch.arange(q_len).unsqueeze(1)
-            cols = torch.arange(kv_len).unsqueeze(0)
-            allowed = cols <= rows + (kv_len - q_len)
-            if not bool(allowed.any(dim=1).all()):
-                raise RuntimeError(f"batch {b}: actual_seq_lengths {q_len} exceeds "
-                                   f"actual_seq_lengths_kv {kv_len}, so rightDownCausal "
-                                   "leaves query rows with no key; the page leaves their "
-                                   "result open.")
-            scores = scores.masked_fill(~allowed, -math.inf)
-        row_lse = torch.logsumexp(scores, dim=-1)          # [N, q_len]
-        probs = torch.exp(scores - row_lse.unsqueeze(-1))
-        out[b, :q_len] = torch.einsum("nqk,knd->qnd", probs, values)
-        lse[b, :, :q_len, 0] = row_lse
-    attention_out = out.to(query.dtype).reshape(query.shape)
-    softmax_lse = lse if softmax_lse_flag else torch.zeros(1, dtype=torch.float32)
-    return attention_out, softmax_lse
+        lead = shape[:-2]
+        ok = len(shape) in (2, 3, 4) and (
+            len(lead) == 0 or (len(lead) == 1 and lead[0] in (1, batch))
+            or (len(lead) == 2 and lead[0] in (1, batch) and lead[1] == 1))
+        mask = atten_mask.reshape(-1, shape[-2], shape[-1]).expand(
+            batch, shape[-2], shape[-1]) if ok else None
+    if not ok or mask.shape[1] < q_s or mask.shape[2] < kv_s:
+        listed = ("(B, KV_S), (B, 1, KV_S) or (B, 1, 1, KV_S)" if decode else
+                  "(Q_S, KV_S), (B, Q_S, KV_S), (1, Q_S, KV_S), (B, 1, Q_S, KV_S) or "
+                  "(1, 1, Q_S, KV_S)")
+        raise RuntimeError(f"atten_mask has shape {shape}; with B={batch}, Q_S={q_s}, "
+                           f"KV_S={kv_s} it must be {listed}.")
+    return mask[:, :q_s, :kv_s].bool()
 
 
 # --- npu_fused_infer_attention_score, MLA form ----------------------------------------------
