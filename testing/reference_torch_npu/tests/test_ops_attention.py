@@ -39,8 +39,8 @@ def test_scatter_writes_each_token_at_its_slot(torch_npu, slot_dtype):
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"cache_mode": "PA_NZ"}, NotImplementedError, "NZ-format"),
-    ({}, NotImplementedError, "cache_mode='PA_NZ'"),
+    ({"cache_mode": "PA_NZ"}, RuntimeError, "with cache_mode='PA_NZ' it must be"),
+    ({}, RuntimeError, r"num_head \* head_size // 16 = 1"),
     ({"cache_mode": "Norm", "seq_lens": torch.ones(1, dtype=torch.int32)},
      NotImplementedError, "seq_lens"),
     ({"cache_mode": "ND"}, RuntimeError, "allows None, 'Norm' or 'PA_NZ'"),
@@ -51,6 +51,47 @@ def test_scatter_refuses_unmodelled_modes(torch_npu, kwargs, error, match):
     with pytest.raises(error, match=match):
         torch_npu.npu_scatter_pa_kv_cache(key, key, cache, cache.clone(),
                                           torch.tensor([0, 1]), **kwargs)
+
+
+@pytest.mark.parametrize(("dtype", "row"), [(torch.float16, 16), (torch.bfloat16, 16),
+                                            (torch.int8, 32)])
+def test_pa_nz_scatter_cuts_each_token_into_32_byte_rows(torch_npu, dtype, row):
+    """The default cache_mode: [num_blocks, H / L, block_size, L] caches, token t's values
+    row c to cache[block, c, offset] (the real op's test golden, written out here)."""
+    gen = torch.Generator().manual_seed(30)
+    tokens, heads, k_dim, v_dim, blocks, block_size = 6, 2, 32, 64, 3, 16
+    key = torch.randint(-100, 100, (tokens, heads, k_dim), generator=gen).to(dtype)
+    value = torch.randint(-100, 100, (tokens, heads, v_dim), generator=gen).to(dtype)
+    key_cache = torch.zeros(blocks, heads * k_dim // row, block_size, row, dtype=dtype)
+    value_cache = torch.zeros(blocks, heads * v_dim // row, block_size, row, dtype=dtype)
+    slots = torch.tensor([0, 17, 5, 47, 16, 33], dtype=torch.int32)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, block_size)
+        flat_k, flat_v = key[t].reshape(-1), value[t].reshape(-1)
+        for c in range(want_k.shape[1]):
+            want_k[block, c, offset] = flat_k[c * row:(c + 1) * row]
+        for c in range(want_v.shape[1]):
+            want_v[block, c, offset] = flat_v[c * row:(c + 1) * row]
+    torch_npu.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+
+
+def test_pa_nz_takes_fractal_nz_npu_caches_and_norm_takes_nd(torch_npu):
+    key = torch.ones(2, 1, 16, dtype=torch.float16, device="npu")
+    nd = torch.zeros(1, 1, 16, 16, dtype=torch.float16, device="npu")
+    nz_k = torch_npu.npu_format_cast(nd, 29)
+    nz_v = torch_npu.npu_format_cast(nd.clone(), 29)
+    torch_npu.npu_scatter_pa_kv_cache(key, key, nz_k, nz_v, torch.tensor([0, 3], device="npu"))
+    assert nz_k[0, 0, [0, 3]].eq(1).all() and not nz_k[0, 0, [1, 2]].any()
+    with pytest.raises(RuntimeError, match="key_cache is NCHW but cache_mode='PA_NZ' takes"):
+        torch_npu.npu_scatter_pa_kv_cache(key, key, nd, nd.clone(),
+                                          torch.tensor([0, 3], device="npu"))
+    norm = torch.zeros(1, 16, 1, 16, dtype=torch.float16, device="npu")
+    with pytest.raises(RuntimeError, match="FRACTAL_NZ but cache_mode=.Norm. takes caches not cast"):
+        torch_npu.npu_scatter_pa_kv_cache(key, key, torch_npu.npu_format_cast(norm, 29),
+                                          norm.clone(), torch.tensor([0, 3], device="npu"),
+                                          cache_mode="Norm")
 
 
 @pytest.mark.parametrize(("slots", "cache_dtype", "match"), [

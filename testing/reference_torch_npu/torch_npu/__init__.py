@@ -47,6 +47,8 @@ import eagerly when torch_npu is importable (transformers imports ``npu_fusion_a
 it exists and raises ``NotImplementedError`` when called (``torch_npu._unmodelled``).
 """
 
+import torch as _torch
+
 from torch_npu import (  # noqa: F401 - _reference: test controls
            _formats,
            _ops,
@@ -70,7 +72,28 @@ npu_fused_infer_attention_score.out = _on_device(
     _ops_attention.npu_fused_infer_attention_score_out, "npu_fused_infer_attention_score.out")
 _npu_fused_infer_attention_score_get_max_workspace = (
     _ops_attention.npu_fused_infer_attention_score_get_max_workspace)
-npu_scatter_pa_kv_cache = _on_device(_ops_attention.npu_scatter_pa_kv_cache)
+_scatter_pa_kv_cache = _on_device(_ops_attention.npu_scatter_pa_kv_cache,
+                                  "npu_scatter_pa_kv_cache", nz=("key_cache", "value_cache"))
+
+
+def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
+                            compress_lens=None, compress_seq_offsets=None, seq_lens=None,
+                            cache_mode="PA_NZ"):
+    """The reference's ``npu_scatter_pa_kv_cache`` (``_ops_attention``): npu caches must be
+    FRACTAL_NZ for ``cache_mode='PA_NZ'`` and ND otherwise, as the two scenarios are."""
+    want_nz = cache_mode == "PA_NZ"
+    takes = ("FRACTAL_NZ caches (npu_format_cast(cache, 29))" if want_nz
+             else "caches not cast to FRACTAL_NZ")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if isinstance(cache, _torch.Tensor) and cache.device.type == "npu" and (
+                (_formats.format_of(cache) == _formats.Format.FRACTAL_NZ) != want_nz):
+            raise RuntimeError(f"npu_scatter_pa_kv_cache: {name} is "
+                               f"{_formats.format_of(cache).name} but cache_mode={cache_mode!r} "
+                               f"takes {takes}.")
+    return _scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping,
+                                compress_lens=compress_lens,
+                                compress_seq_offsets=compress_seq_offsets, seq_lens=seq_lens,
+                                cache_mode=cache_mode)
 npu_add_rms_norm = _on_device(_ops_norm_quant.npu_add_rms_norm)
 npu_add_rms_norm_dynamic_quant = _on_device(_ops_norm_quant.npu_add_rms_norm_dynamic_quant)
 npu_add_rms_norm_quant = _on_device(_ops_norm_quant.npu_add_rms_norm_quant)

@@ -78,19 +78,18 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
       ``[num_blocks, block_size, num_head, v_head_size]``, the dtype of ``key``.
     - ``slot_mapping``: int32 or int64, ``[tokens]``, values in ``[0, num_blocks *
       block_size - 1]`` and unique (the page does not guarantee duplicates).
-    - ``cache_mode``: ``"Norm"`` (or None). ``"PA_NZ"``, the default, is the NZ format
-      (``npu_format_cast`` caches), which the reference does not model; neither does it
-      model the compression arguments (4-D keys).
+    - ``cache_mode``: ``"Norm"`` (or None), or ``"PA_NZ"`` (the default): caches cast to
+      FRACTAL_NZ (``npu_format_cast(cache, 29)``) of ``[num_blocks, num_head * head_size //
+      L, block_size, L]`` with ``L`` the elements of 32 bytes (16 for float16/bfloat16, 32
+      for int8), the page's first scenario. The compression arguments (4-D keys) are not
+      modelled.
 
-    Token ``t`` goes to block ``slot // block_size`` at offset ``slot % block_size``.
-    Updates the caches in place and returns None.
+    Token ``t`` goes to block ``slot // block_size`` at offset ``slot % block_size``; in
+    PA_NZ its ``num_head * head_size`` values are cut into rows of ``L``, row ``c`` to
+    ``cache[block, c, offset, :]`` (the real op's test golden). Updates the caches in place
+    and returns None.
     """
-    if cache_mode not in (None, "Norm"):
-        if cache_mode == "PA_NZ":
-            raise NotImplementedError(
-                "cache_mode='PA_NZ' (the default) scatters into NZ-format caches, which the "
-                "reference torch_npu does not model; pass cache_mode='Norm' with ND caches "
-                "of [num_blocks, block_size, num_head, head_size].")
+    if cache_mode not in (None, "Norm", "PA_NZ"):
         raise RuntimeError(f"cache_mode={cache_mode!r}: the page allows None, 'Norm' or "
                            "'PA_NZ'.")
     for name, extra in (("compress_lens", compress_lens),
@@ -115,13 +114,25 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
         if tensor.dtype != key.dtype:
             raise RuntimeError(f"{name} has dtype {tensor.dtype} but key has {key.dtype}; the "
                                "page requires identical dtypes.")
+    nz = cache_mode == "PA_NZ"
+    row = 32 // key.element_size()  # elements per 32-byte row of an NZ cache
     for name, cache, source in (("key_cache", key_cache, key),
                                 ("value_cache", value_cache, value)):
-        if cache.dim() != 4 or cache.shape[2:] != source.shape[1:]:
+        hidden = source.shape[1] * source.shape[2]
+        if nz:
+            if hidden % row or cache.dim() != 4 or cache.shape[1] != hidden // row \
+                    or cache.shape[3] != row:
+                raise RuntimeError(f"{name} has shape {tuple(cache.shape)}; with cache_mode="
+                                   f"'PA_NZ' it must be [num_blocks, num_head * head_size // "
+                                   f"{row} = {hidden / row:g}, block_size, {row}] (num_head * "
+                                   f"head_size = {hidden} a multiple of {row}).")
+        elif cache.dim() != 4 or cache.shape[2:] != source.shape[1:]:
             raise RuntimeError(f"{name} has shape {tuple(cache.shape)}; with cache_mode='Norm' "
                                "it must be [num_blocks, block_size, "
                                f"{source.shape[1]}, {source.shape[2]}].")
-    if key_cache.shape[:2] != value_cache.shape[:2]:
+    block_dim = 2 if nz else 1
+    if (key_cache.shape[0], key_cache.shape[block_dim]) != (
+            value_cache.shape[0], value_cache.shape[block_dim]):
         raise RuntimeError(f"key_cache {tuple(key_cache.shape)} and value_cache "
                            f"{tuple(value_cache.shape)} must have equal num_blocks and "
                            "block_size.")
@@ -131,7 +142,7 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
     if slot_mapping.shape != (key.shape[0],):
         raise RuntimeError(f"slot_mapping has shape {tuple(slot_mapping.shape)}; it must be "
                            f"({key.shape[0]},), one slot per token of key.")
-    num_blocks, block_size = key_cache.shape[:2]
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[block_dim]
     slots = slot_mapping.long()
     if slots.numel():
         low, high = int(slots.min()), int(slots.max())
@@ -142,6 +153,12 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
         if slots.unique().numel() != slots.numel():
             raise RuntimeError("slot_mapping holds duplicate slots; the page requires unique "
                                "values.")
+    if nz:
+        blocks, offsets = slots // block_size, slots % block_size
+        for cache, source in ((key_cache, key), (value_cache, value)):
+            rows = source.reshape(source.shape[0], cache.shape[1], row)  # [tokens, H / L, L]
+            cache[blocks, :, offsets] = rows
+        return None
     key_cache.view(-1, *key_cache.shape[2:])[slots] = key
     value_cache.view(-1, *value_cache.shape[2:])[slots] = value
     return None
