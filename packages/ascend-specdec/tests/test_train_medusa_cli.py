@@ -69,3 +69,96 @@ def test_ensure_caches_by_base_and_options(tiny_base, tmp_path):
                                 cache_dir=tmp_path, log=logs.append)
     assert other != first
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])
+
+
+# --- prompts from a file (your traffic) ----------------------------------------------------
+
+
+def _tokenizer(vocab_size: int = 96):
+    """A real (tokenizers) word-level tokenizer over the tiny base's ids, with a chat
+    template, saved the way a model folder holds it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        chat_template="{% for m in messages %}w5 {{ m['content'] }} {% endfor %}"
+                      "{% if add_generation_prompt %}w6{% endif %}")
+
+
+def test_prompts_files_give_one_prompt_per_line_or_record(tmp_path):
+    from ascend_specdec.medusa.base_model import read_prompts_file
+
+    text = tmp_path / "prompts.txt"
+    text.write_text("w3 w4\n\n  \nw7 w8 w9\n")
+    assert read_prompts_file(text) == ["w3 w4", "w7 w8 w9"]
+    jsonl = tmp_path / "traffic.jsonl"
+    jsonl.write_text('{"prompt": "w10 w11"}\n\n'
+                     '{"messages": [{"role": "user", "content": "w12 w13"}]}\n')
+    assert read_prompts_file(jsonl, _tokenizer()) == ["w10 w11", "w5 w12 w13 w6"]
+    for content, message in [
+            ('{"prompt": "w3"}\nnot json\n', "line 2 is not JSON"),
+            ('{"text": "w3"}\n', 'line 1: expected an object with "prompt"'),
+            ('\n\n', "holds no prompt")]:
+        jsonl.write_text(content)
+        with pytest.raises(ValueError, match=message):
+            read_prompts_file(jsonl, _tokenizer())
+    jsonl.write_text('{"messages": [{"role": "user", "content": "w3"}]}\n')
+    with pytest.raises(ValueError, match="no chat template"):
+        read_prompts_file(jsonl, None)
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        read_prompts_file(tmp_path / "missing.jsonl")
+
+
+def test_file_prompts_are_used_once_and_the_held_out_ones_come_first():
+    from ascend_specdec.medusa.training import file_prompt_batches
+
+    prompts = [torch.arange(10, 10 + n) for n in (3, 8, 5, 6, 12, 4, 7, 9, 3, 5)]
+    prompts[2] = torch.cat([torch.tensor([1]), prompts[2]])  # a prompt that starts with BOS
+    options = TrainOptions(samples=8, holdout=0.25, generation_batch=3, max_prompt_tokens=6)
+    batches, held = file_prompt_batches(prompts, options, 1, torch.Generator().manual_seed(0))
+    assert held == 2 and sum(len(b) for b in batches) == 8  # samples caps the 10 prompts
+    assert len(batches[0]) == 2  # the held-out prompts form their own batch, first
+    seen = []
+    for batch in batches:
+        assert (batch[:, 0] == 1).all() and not (batch[:, 1:] == 1).any()  # one BOS each
+        assert batch.shape[1] - 1 <= 6
+        for row in batch[:, 1:].tolist():
+            owner = [i for i, p in enumerate(prompts)
+                     if p[-len(row):].tolist() == row and i not in seen]
+            assert owner, row  # every row is the end of a prompt
+            seen.append(owner[0])
+    assert len(set(seen)) == 8  # none twice
+    with pytest.raises(ValueError, match="give at least 2 prompts"):
+        file_prompt_batches(prompts[:1], options, 1, torch.Generator())
+
+
+def test_cli_trains_on_a_prompts_file(tiny_base, tmp_path, capsys):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base, base)
+    _tokenizer().save_pretrained(str(base))
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(
+        f'{{"prompt": "w{3 + i % 40} w{4 + i % 50} w{5 + i % 30} w{9 + i % 20}"}}\n'
+        if i % 2 else f'{{"messages": [{{"role": "user", "content": "w{7 + i % 60} w8"}}]}}\n'
+        for i in range(20)))
+    out = tmp_path / "heads"
+    code = train_medusa.main(["--base", str(base), "--out", str(out), "--heads", "2",
+                              "--steps", "10", "--samples", "16", "--eval-every", "10",
+                              "--continuation-tokens", "6", "--holdout", "0.25",
+                              "--prompts-file", str(traffic)])
+    assert code == 0
+    progress = capsys.readouterr().err
+    assert f"the 20 prompts of {traffic}" in progress
+    assert "generating greedy continuations: 16/16" in progress
+    report = json.loads((out / "training.json").read_text())
+    assert report["options"]["prompts_file"] == str(traffic)
+    # 4 held-out prompts of 16, each continuation 6 tokens: their rows are the held-out rows.
+    assert report["rows"]["held_out"] * 3 == report["rows"]["train"]
+    assert train_medusa.main(["--base", str(base), "--out", str(out), "--prompts-file",
+                              str(traffic), "--prompt-text", str(traffic)]) == 2

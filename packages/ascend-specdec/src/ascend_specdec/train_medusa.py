@@ -37,6 +37,10 @@ _HELP = {
     "seed": "random seed (prompts, sampling of batches)",
     "prompt_text": "prompts from this text file or folder of .py/.txt/.md files "
                    "(default: random tokens)",
+    "prompts_file": "prompts from your traffic: a text file (one prompt per line) or a "
+                    ".jsonl file of {\"prompt\": ...} or {\"messages\": [...]} objects "
+                    "(chats rendered with the model's chat template); held-out estimate "
+                    "from held-out prompts of the file",
     "base_dtype": "dtype the base model generates in (default: the checkpoint's, as served)",
 }
 
@@ -54,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument(flag, action="store_true", default=f.default, help=_HELP[f.name])
         elif f.name == "truncated_vocab":
             p.add_argument(flag, type=int, default=None, metavar="N", help=_HELP[f.name])
-        elif f.name in ("prompt_text", "base_dtype"):
+        elif f.name in ("prompt_text", "prompts_file", "base_dtype"):
             p.add_argument(flag, default=None, help=_HELP[f.name])
         else:
             kind = float if f.type in ("float", float) else int

@@ -71,6 +71,15 @@ class TransformersBaseLM:
             raise ValueError(f"--prompt-text {str(path)!r} holds no text")
         return torch.tensor(ids, dtype=torch.long)
 
+    def encode_prompts_file(self, source: str | Path) -> list[torch.Tensor]:
+        """Token ids of each prompt of a prompts file (see ``read_prompts_file``)."""
+        if self.tokenizer is None:
+            raise ValueError("--prompts-file needs the base model's tokenizer, and its folder "
+                             "has none (tokenizer.json / tokenizer_config.json)")
+        return [torch.tensor(self.tokenizer(text, add_special_tokens=False).input_ids,
+                             dtype=torch.long)
+                for text in read_prompts_file(source, self.tokenizer)]
+
     def lm_head_weight(self) -> torch.Tensor:
         return self.output.weight.detach()
 
@@ -119,3 +128,42 @@ def _prompt_vocabulary(folder: Path, config):
                 else None
     ids = torch.tensor([i for i in range(size) if i not in special], dtype=torch.long)
     return ids, bos if isinstance(bos, int) else None, tokenizer
+
+
+def read_prompts_file(source: str | Path, tokenizer=None) -> list[str]:
+    """The prompts of a file: one per non-empty line of a text file, or, for ``.jsonl``, one
+    per line's JSON object: ``{"prompt": str}`` (a completion) or ``{"messages": [{"role":
+    ..., "content": ...}, ...]}`` (a chat, rendered with ``tokenizer``'s chat template and
+    the generation prompt, as vLLM's chat endpoint renders it)."""
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompts-file {str(path)!r} is not a file")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    if path.suffix != ".jsonl":
+        prompts = [line for line in lines if line.strip()]
+    else:
+        prompts = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise ValueError(f"--prompts-file {path} line {number} is not JSON ({err}); "
+                                 "each line must be an object") from None
+            if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                prompts.append(record["prompt"])
+            elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+                if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+                    raise ValueError(f"--prompts-file {path} line {number} is a chat, but the "
+                                     "base model's tokenizer has no chat template to render "
+                                     "it; give completions ({\"prompt\": ...}) instead")
+                prompts.append(tokenizer.apply_chat_template(
+                    record["messages"], tokenize=False, add_generation_prompt=True))
+            else:
+                raise ValueError(f"--prompts-file {path} line {number}: expected an object "
+                                 f"with \"prompt\" (a string) or \"messages\" (a list), got "
+                                 f"{line[:80]!r}")
+    if not prompts:
+        raise ValueError(f"--prompts-file {path} holds no prompt")
+    return prompts

@@ -61,14 +61,21 @@ def train_medusa_heads(base_dir: str | Path, out_dir: str | Path,
                   else _checkpoint_dtype(base_dir))
     base = TransformersBaseLM.load(base_dir, dtype=base_dtype)
     text_ids = base.encode_text(options.prompt_text) if options.prompt_text else None
-    prompts = (f"windows of {options.prompt_text} ({text_ids.numel():,} tokens)"
-               if text_ids is not None else "random tokens")
+    file_prompts = (base.encode_prompts_file(options.prompts_file) if options.prompts_file
+                    else None)
+    if file_prompts is not None:
+        prompts = f"the {len(file_prompts):,} prompts of {options.prompts_file}"
+    elif text_ids is not None:
+        prompts = f"windows of {options.prompt_text} ({text_ids.numel():,} tokens)"
+    else:
+        prompts = "random tokens"
     log(f"base model {base_dir} in {str(base_dtype).removeprefix('torch.')}: hidden size "
         f"{base.hidden_size}, vocabulary {base.vocab_size}; {options.samples} greedy "
         f"continuations of {options.continuation_tokens} tokens from {prompts}, "
         f"{options.heads} heads, {options.steps} steps")
     train, held_out = generate_distillation_data(base, options, base.sample_ids,
-                                                 base.bos_token_id, log=log, text_ids=text_ids)
+                                                 base.bos_token_id, log=log, text_ids=text_ids,
+                                                 file_prompts=file_prompts)
     generated = time.monotonic() - started
     log(f"{len(train)} training rows, {len(held_out)} held-out rows ({generated:.1f} s)")
     result = train_heads(train, held_out, base.lm_head_weight(), options, log=log)

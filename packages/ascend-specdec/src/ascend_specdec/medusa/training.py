@@ -66,6 +66,10 @@ class TrainOptions:
     # Prompts from text (a file, or a folder of .py / .txt / .md files) instead of random
     # tokens: a trained model continues real text the way it will be served.
     prompt_text: str | None = None
+    # Prompts from your traffic: one per line of a text file, or a JSONL file of
+    # {"prompt": ...} completions or {"messages": [...]} chats (rendered with the model's
+    # chat template). Each is used once; the held-out estimate comes from held-out prompts.
+    prompts_file: str | None = None
     # The dtype the base model runs in while generating (None: the checkpoint's, which is what
     # vLLM serves): the heads learn the hidden states they will see.
     base_dtype: str | None = None
@@ -89,6 +93,9 @@ class TrainOptions:
             raise ValueError(f"holdout={self.holdout} must be between 0 and 1")
         if self.truncated_vocab is not None and self.truncated_vocab < 1:
             raise ValueError(f"truncated_vocab={self.truncated_vocab} must be at least 1")
+        if self.prompt_text and self.prompts_file:
+            raise ValueError("--prompt-text and --prompts-file are two sources of prompts; "
+                             "give one")
         if self.base_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"base_dtype={self.base_dtype!r}: use float32, bfloat16 or "
                              "float16 (or leave it out for the checkpoint's dtype)")
@@ -199,22 +206,73 @@ def concat(sets: list[DistillationSet]) -> DistillationSet:
                            torch.cat([s.targets for s in sets]))
 
 
+def file_prompt_batches(prompts: list[torch.Tensor], options: TrainOptions,
+                        bos_token_id: int | None, generator: torch.Generator,
+                        ) -> tuple[list[torch.Tensor], int]:
+    """(batches, held-out count) from a prompts file's token ids, each prompt used once.
+
+    ``min(samples, len(prompts))`` prompts are drawn in a seeded order; the first
+    ``max(1, round(count * holdout))`` of them are held out and come first (their
+    continuations are the held-out rows), then the training prompts. Within each part,
+    prompts are sorted by length and batched; a batch keeps its shortest prompt's length
+    (at most ``max_prompt_tokens``) of every prompt's last tokens, after one BOS.
+    """
+    count = min(options.samples, len(prompts))
+    num_held = max(1, round(count * options.holdout))
+    if count - num_held < 1:
+        raise ValueError(f"--prompts-file gave {len(prompts)} prompts and --samples "
+                         f"{options.samples}: with holdout={options.holdout} none is left for "
+                         "training; give at least 2 prompts")
+    order = torch.randperm(len(prompts), generator=generator)[:count].tolist()
+
+    def bodies(indices: list[int]) -> list[torch.Tensor]:
+        out = []
+        for i in indices:
+            ids = prompts[i]
+            if bos_token_id is not None and len(ids) and int(ids[0]) == bos_token_id:
+                ids = ids[1:]  # a chat template that writes BOS itself: one BOS in all
+            if len(ids):
+                out.append(ids)
+        return sorted(out, key=len)
+
+    def batches(indices: list[int]) -> list[torch.Tensor]:
+        chosen, result = bodies(indices), []
+        for start in range(0, len(chosen), options.generation_batch):
+            group = chosen[start:start + options.generation_batch]
+            length = min(min(len(ids) for ids in group), options.max_prompt_tokens)
+            batch = torch.stack([ids[len(ids) - length:] for ids in group])
+            if bos_token_id is not None:
+                bos = torch.full((len(group), 1), bos_token_id, dtype=batch.dtype)
+                batch = torch.cat([bos, batch], dim=1)
+            result.append(batch)
+        return result
+
+    held = batches(order[:num_held])
+    return held + batches(order[num_held:]), sum(len(b) for b in held)
+
+
 def generate_distillation_data(base: BaseLM, options: TrainOptions, sample_ids: torch.Tensor,
                                bos_token_id: int | None,
                                log: Callable[[str], None] = print,
                                text_ids: torch.Tensor | None = None,
+                               file_prompts: list[torch.Tensor] | None = None,
                                ) -> tuple[DistillationSet, DistillationSet]:
     """(train, held-out) rows from ``options.samples`` greedy continuations.
 
-    Prompts are windows of ``text_ids`` when given, random tokens of ``sample_ids`` otherwise.
+    Prompts come from ``file_prompts`` (a prompts file's token ids, each used once, held-out
+    prompts apart) when given, else windows of ``text_ids``, else random tokens of
+    ``sample_ids``.
     """
     generator = torch.Generator().manual_seed(options.seed)
-    if text_ids is not None:
+    num_held = max(1, round(options.samples * options.holdout))
+    if file_prompts is not None:
+        batches, num_held = file_prompt_batches(file_prompts, options, bos_token_id, generator)
+    elif text_ids is not None:
         batches = text_prompts(options.samples, options, text_ids, bos_token_id, generator)
     else:
         batches = random_prompts(options.samples, options, sample_ids, bos_token_id, generator)
+    total = sum(len(batch) for batch in batches)
     train_sets, held_sets = [], []
-    num_held = max(1, round(options.samples * options.holdout))
     done = 0
     started = time.monotonic()
     for prompts in batches:
@@ -231,7 +289,7 @@ def generate_distillation_data(base: BaseLM, options: TrainOptions, sample_ids: 
         if len(rows):
             train_sets.append(rows)
         done += prompts.shape[0]
-        log(f"generating greedy continuations: {done}/{options.samples} "
+        log(f"generating greedy continuations: {done}/{total} "
             f"({time.monotonic() - started:.1f} s)")
     if not train_sets:
         raise ValueError(f"samples={options.samples} with holdout={options.holdout} leaves no "
