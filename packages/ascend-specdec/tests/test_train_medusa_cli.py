@@ -37,8 +37,11 @@ def test_cli_writes_heads_vllm_can_load(tiny_base, tmp_path, capsys):
     assert (config["original_lm_head"], config["truncated_vocab_size"]) == (True, 40)
     report = json.loads((out / "training.json").read_text())
     assert report["options"]["seed"] == 3 and [h["step"] for h in report["history"]] == [10, 20]
+    # Saved in float32 (the base's dtype): the served estimate is the trainer's own.
+    assert report["served"] == report["final"]
     progress = capsys.readouterr().err
     assert "step 10/20: train loss" in progress and "held-out top-1 h1" in progress
+    assert "held-out estimate as served (float32)" in progress
     heads = load_heads(out)
     assert heads.propose(torch.randn(3, 32)).shape == (3, 2)
     assert int(heads.token_map.max()) < 96
@@ -152,12 +155,20 @@ def test_cli_trains_on_a_prompts_file(tiny_base, tmp_path, capsys):
                               "--steps", "10", "--samples", "16", "--eval-every", "10",
                               "--continuation-tokens", "6", "--holdout", "0.25",
                               "--prompts-file", str(traffic)])
+    bf16 = tmp_path / "heads-bf16"
+    assert train_medusa.main(["--base", str(base), "--out", str(bf16), "--heads", "2",
+                              "--steps", "10", "--samples", "16", "--eval-every", "10",
+                              "--continuation-tokens", "6", "--prompts-file", str(traffic),
+                              "--dtype", "bfloat16"]) == 0
+    served = json.loads((bf16 / "training.json").read_text())["served"]
+    assert 1.0 <= served["acceptance_length"] <= 3.0 and len(served["top1"]) == 2
     assert code == 0
     progress = capsys.readouterr().err
     assert f"the 20 prompts of {traffic}" in progress
     assert "generating greedy continuations: 16/16" in progress
     report = json.loads((out / "training.json").read_text())
     assert report["options"]["prompts_file"] == str(traffic)
+    assert "held-out estimate as served (float32)" in progress
     # 4 held-out prompts of 16, each continuation 6 tokens: their rows are the held-out rows.
     assert report["rows"]["held_out"] * 3 == report["rows"]["train"]
     assert train_medusa.main(["--base", str(base), "--out", str(out), "--prompts-file",
