@@ -215,6 +215,22 @@ def _check_compressed_causal_mask(atten_mask, mode: int = 3) -> None:
                            "elsewhere, i.e. torch.triu(torch.ones(2048, 2048), diagonal=1).")
 
 
+def _check_table_covers(block_table, kv_lengths: list[int], block: int,
+                        num_blocks: int) -> None:
+    """Each batch's blocks (for its key/value length) are named in its row of the table, and
+    name blocks the caches hold."""
+    blocks_per_batch = [-(-length // block) for length in kv_lengths]
+    if max(blocks_per_batch, default=0) > block_table.shape[1]:
+        raise RuntimeError(f"block_table has {block_table.shape[1]} columns but a batch needs "
+                           f"{max(blocks_per_batch)} blocks for actual_seq_lengths_kv "
+                           f"{kv_lengths} and block_size {block}.")
+    for b, count in enumerate(blocks_per_batch):
+        ids = block_table[b, :count]
+        if count and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+            raise RuntimeError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
+                               f"{num_blocks - 1}].")
+
+
 def _paged_sequence(cache: torch.Tensor, table_row: torch.Tensor, length: int,
                     block_size: int, kv_heads: int) -> torch.Tensor:
     """``length`` tokens of one batch from a ``(num_blocks, block_size, H)`` cache, as
@@ -500,19 +516,11 @@ def _check_paged_key_value(key, value, block_table, block_size, actual_seq_lengt
         raise RuntimeError("page attention needs actual_seq_lengths_kv.")
     kv_lengths = _per_batch_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch,
                                     None)
-    blocks_per_batch = [-(-length // block) for length in kv_lengths]
-    if max(blocks_per_batch, default=0) > block_table.shape[1]:
-        raise RuntimeError(f"block_table has {block_table.shape[1]} columns but a batch needs "
-                           f"{max(blocks_per_batch)} blocks for actual_seq_lengths_kv "
-                           f"{kv_lengths} and block_size {block}.")
-    if sum(blocks_per_batch) > num_blocks:
-        raise RuntimeError(f"the caches hold {num_blocks} blocks, fewer than the "
-                           f"{sum(blocks_per_batch)} the batches' lengths need.")
-    for b, count in enumerate(blocks_per_batch):
-        ids = block_table[b, :count]
-        if count and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-            raise RuntimeError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
-                               f"{num_blocks - 1}].")
+    needed = sum(-(-length // block) for length in kv_lengths)
+    if needed > num_blocks:
+        raise RuntimeError(f"the caches hold {num_blocks} blocks, fewer than the {needed} the "
+                           "batches' lengths need.")
+    _check_table_covers(block_table, kv_lengths, block, num_blocks)
     return kv_lengths
 
 
@@ -678,16 +686,7 @@ def _mla_page_attention(given: dict):
     else:
         q_lengths = _per_batch_lengths("actual_seq_lengths", given["actual_seq_lengths"],
                                        batch, q_s)
-    blocks_per_batch = [-(-length // block) for length in kv_lengths]
-    if max(blocks_per_batch, default=0) > block_table.shape[1]:
-        raise RuntimeError(f"block_table has {block_table.shape[1]} columns but a batch needs "
-                           f"{max(blocks_per_batch)} blocks for actual_seq_lengths_kv "
-                           f"{kv_lengths} and block_size {block}.")
-    for b, count in enumerate(blocks_per_batch):
-        ids = block_table[b, :count]
-        if count and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-            raise RuntimeError(f"block_table[{b}] names blocks {ids.tolist()} outside [0, "
-                               f"{num_blocks - 1}].")
+    _check_table_covers(block_table, kv_lengths, block, num_blocks)
 
     mode = _require_int("sparse_mode", given["sparse_mode"])
     atten_mask = given["atten_mask"]
