@@ -74,13 +74,15 @@ class AscendMedusaProposer(MedusaProposer):
         self._gather = None  # all-gather over the tensor-parallel group, when sharded
 
     def load_model(self, target_model: torch.nn.Module) -> None:
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
+        from vllm.distributed import parallel_state
 
         self.model = load_heads(self.heads_dir, dtype=self.dtype, device=self.device)
         config = self.heads_config
-        group = get_tp_group()
-        if group.world_size > 1:
-            self.model.shard_lm_heads(get_tensor_model_parallel_rank(), group.world_size)
+        # No tensor-parallel group (a proposer built outside a worker): the heads stay whole.
+        group = (parallel_state.get_tp_group() if parallel_state.model_parallel_is_initialized()
+                 else None)
+        if group is not None and group.world_size > 1:
+            self.model.shard_lm_heads(group.rank_in_group, group.world_size)
             self._gather = lambda tensor: group.all_gather(tensor.unsqueeze(0), dim=0)
         rows = self.model.head_weight(0).shape[0]
         logger.info("Medusa heads %s: %d heads (%d used), %s LM head, draft vocabulary %d of %d"
