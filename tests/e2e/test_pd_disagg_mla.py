@@ -61,30 +61,45 @@ def as_run(replies) -> dict:
             "logprobs": [tops for _, tops in replies]}
 
 
+def assert_pd_answers_what_the_prefill_server_answers(pd, model, prompts, what,
+                                                     differing: int) -> None:
+    """Concurrent completions through the proxy equal the prefill server's own (colocated)
+    answers, all pulled: the decode server computes each prompt's last token against the
+    pulled cache, the colocated one within its prompt pass, so in bfloat16 they may part at
+    a near-tie (checked), in at most ``differing`` prompts."""
+    reference = [completion(pd.prefill, model, prompt) for prompt in prompts]
+    before = counters(pd.decode)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: completion(pd.proxy, model, p), prompts))
+    assert_equal_up_to_near_ties(as_run(answers), as_run(reference), what)
+    assert sum(a[0] != r[0] for a, r in zip(answers, reference)) <= differing
+    after = counters(pd.decode)
+    assert after["vllm:ascend_pd_pulls"] - before["vllm:ascend_pd_pulls"] == len(prompts)
+    assert after["vllm:ascend_pd_failed_pulls"] == before["vllm:ascend_pd_failed_pulls"]
+
+
+def kv_planes(pd) -> int:
+    """The KV planes the prefill node registered with the transfer engine (its log)."""
+    log = open(pd.prefill_log).read()
+    return int(re.search(r"MooncakeConnectorV1 \(kv_producer, rank 0\): (\d+) KV planes",
+                         log).group(1))
+
+
+def num_layers(model: str) -> int:
+    return json.load(open(f"{model}/config.json"))["num_hidden_layers"]
+
+
 def test_mla_latent_and_rope_caches_are_pulled_and_answers_equal_the_colocated_ones(
         pd_mla, deepseek):
-    reference = [completion(pd_mla.prefill, deepseek, prompt) for prompt in ALL_PROMPTS]
-    before = counters(pd_mla.decode)
-    with ThreadPoolExecutor(len(ALL_PROMPTS)) as pool:
-        answers = list(pool.map(lambda p: completion(pd_mla.proxy, deepseek, p), ALL_PROMPTS))
-    # The decode server computes each prompt's last token against the pulled cache, the
-    # colocated one within its prompt pass: in bfloat16 they may part at a near-tie.
-    assert_equal_up_to_near_ties(as_run(answers), as_run(reference), "MLA PD vs colocated")
-    assert sum(a[0] == r[0] for a, r in zip(answers, reference)) >= len(ALL_PROMPTS) - 2
-    after = counters(pd_mla.decode)
-    assert after["vllm:ascend_pd_pulls"] - before["vllm:ascend_pd_pulls"] == len(ALL_PROMPTS)
-    assert after["vllm:ascend_pd_failed_pulls"] == before["vllm:ascend_pd_failed_pulls"]
+    assert_pd_answers_what_the_prefill_server_answers(pd_mla, deepseek, ALL_PROMPTS,
+                                                      "MLA PD vs colocated", differing=2)
     # The prefill instance took every request, and afterwards holds no block.
     with urllib.request.urlopen(pd_mla.proxy + "/health", timeout=10) as reply:
         served = [b["served"] for b in json.loads(reply.read())["prefill"]]
     assert served == [len(ALL_PROMPTS)], served
     wait_for(lambda: kv_cache_usage(pd_mla.prefill) == 0.0, 10,
              "the prefill server freed its blocks")
-    log = open(pd_mla.prefill_log).read()
-    planes = int(re.search(r"MooncakeConnectorV1 \(kv_producer, rank 0\): (\d+) KV planes",
-                           log).group(1))
-    layers = json.load(open(f"{deepseek}/config.json"))["num_hidden_layers"]
-    assert planes == 2 * layers  # the latent and the rope plane of every layer
+    assert kv_planes(pd_mla) == 2 * num_layers(deepseek)  # every layer's latent and rope
 
 
 def test_a_lease_on_another_prompt_is_refused_and_the_prompt_recomputed(pd_mla, deepseek):
@@ -111,29 +126,25 @@ def test_a_lease_on_another_prompt_is_refused_and_the_prompt_recomputed(pd_mla, 
 
 @pytest.fixture(scope="module")
 def pd_mla_host(deepseek, tmp_path_factory):
-    """The same model through vLLM's own CPU MLA backend (host target): one cache tensor
-    per layer, latent and rope side by side in each token's row."""
+    """The same model through vLLM's own CPU MLA backend (host target), two prefill
+    instances and one decode instance (2P1D): one cache tensor per layer, latent and rope
+    side by side in each token's row."""
     logs = tmp_path_factory.mktemp("pd_mla_host")
-    with running_pd(deepseek, str(logs), extra_args=["--enforce-eager", "--dtype", "bfloat16"],
+    with running_pd(deepseek, str(logs), num_prefill=2,
+                    extra_args=["--enforce-eager", "--dtype", "bfloat16"],
                     cpus=("0", "1"), env={"VLLM_ASCEND_TARGET": "host"}) as deployment:
         yield deployment
 
 
-def test_host_target_mla_32_concurrent_requests_answer_what_the_colocated_server_does(
+def test_host_target_mla_2p1d_32_concurrent_requests_answer_what_a_colocated_server_does(
         pd_mla_host, deepseek):
-    prompts = mixed_prompts()  # short, held-out ~100-token, and 3+ block prompts
-    reference = [completion(pd_mla_host.prefill, deepseek, prompt) for prompt in prompts]
-    before = counters(pd_mla_host.decode)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda p: completion(pd_mla_host.proxy, deepseek, p), prompts))
-    assert_equal_up_to_near_ties(as_run(answers), as_run(reference), "host MLA PD vs colocated")
-    assert sum(a[0] == r[0] for a, r in zip(answers, reference)) >= len(prompts) - 4
-    after = counters(pd_mla_host.decode)
-    assert after["vllm:ascend_pd_pulls"] - before["vllm:ascend_pd_pulls"] == len(prompts)
-    assert after["vllm:ascend_pd_failed_pulls"] == before["vllm:ascend_pd_failed_pulls"]
-    wait_for(lambda: kv_cache_usage(pd_mla_host.prefill) == 0.0, 10,
-             "the prefill server freed its blocks")
-    log = open(pd_mla_host.prefill_log).read()
-    planes = int(re.search(r"MooncakeConnectorV1 \(kv_producer, rank 0\): (\d+) KV planes",
-                           log).group(1))
-    assert planes == json.load(open(f"{deepseek}/config.json"))["num_hidden_layers"]
+    # Short, held-out ~100-token, and 3+ block prompts sharing a prefix.
+    assert_pd_answers_what_the_prefill_server_answers(
+        pd_mla_host, deepseek, mixed_prompts(), "host MLA 2P1D vs colocated", differing=4)
+    with urllib.request.urlopen(pd_mla_host.proxy + "/health", timeout=10) as reply:
+        served = [b["served"] for b in json.loads(reply.read())["prefill"]]
+    assert len(served) == 2 and min(served) > 0 and sum(served) == 32, served
+    for prefill in pd_mla_host.prefills:
+        wait_for(lambda url=prefill.url: kv_cache_usage(url) == 0.0, 10,
+                 f"{prefill.name} freed its blocks")
+    assert kv_planes(pd_mla_host) == num_layers(deepseek)  # one cache tensor per layer
