@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -22,11 +21,10 @@ import torch
 
 from ascend_specdec.medusa.checkpoint import save_heads
 from ascend_specdec.medusa.training import (
-    DistillationSet,
     TrainOptions,
     TrainResult,
-    evaluate,
     generate_distillation_data,
+    served_estimate,
     train_heads,
 )
 
@@ -84,10 +82,7 @@ def train_medusa_heads(base_dir: str | Path, out_dir: str | Path,
     result = train_heads(train, held_out, base.lm_head_weight(), options, log=log)
     result.seconds["generate"] = generated
     dtype = save_dtype or _checkpoint_dtype(base_dir)
-    # The estimate for the heads as they will be served: cast to the saved dtype, on the
-    # held-out hidden states in it too (training itself runs in float32).
-    served = evaluate(copy.deepcopy(result.heads).to(dtype),
-                      DistillationSet(held_out.features.to(dtype), held_out.targets))
+    served = served_estimate(result.heads, held_out, dtype)
     log(f"held-out estimate as served ({str(dtype).removeprefix('torch.')}): "
         f"{served.describe()}")
     save_heads(result.heads, out_dir, dtype=dtype)

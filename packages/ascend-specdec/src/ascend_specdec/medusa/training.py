@@ -389,6 +389,16 @@ def evaluate(heads: MedusaHeads, data: DistillationSet, chunk: int = 4096) -> Ev
     return Evaluation(top1=top1, acceptance_length=length, loss=loss)
 
 
+def served_estimate(heads: MedusaHeads, held_out: DistillationSet,
+                    dtype: torch.dtype) -> Evaluation:
+    """``evaluate`` for the heads as they will be served: a copy cast to ``dtype``, on the
+    held-out hidden states in ``dtype`` (training itself runs in float32)."""
+    import copy
+
+    return evaluate(copy.deepcopy(heads).to(dtype),
+                    DistillationSet(held_out.features.to(dtype), held_out.targets))
+
+
 def train_heads(train: DistillationSet, held_out: DistillationSet, base_lm_head: torch.Tensor,
                 options: TrainOptions, log: Callable[[str], None] = print) -> TrainResult:
     """Fit one residual block per head (and its LM head unless frozen) to the targets."""
