@@ -23,7 +23,8 @@ ALLOWED = {
 }
 # Modules allowed to import vLLM at import time: the vLLM-facing glue.
 VLLM_FACING = ("ascend_core/platform/", "ascend_core/worker/", "ascend_core/ops/",
-               "ascend_core/distributed/", "ascend_core/attention/", "ascend_plugin/",
+               "ascend_core/distributed/", "ascend_core/attention/", "ascend_core/lora/",
+               "ascend_plugin/",
                "ascend_quant/vllm/", "ascend_specdec/vllm/", "ascend_eplb/vllm/")
 
 

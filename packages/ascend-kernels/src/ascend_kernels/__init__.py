@@ -8,13 +8,15 @@ Modules: ``norm`` (rms_norm, add_rms_norm, l2norm), ``activation``
 (silu_and_mul), ``rope`` (rotary_embedding, rope_launch_config), ``quant``
 (dynamic_per_token_quant, add_rms_norm_quant, scaled_int8_mm), ``routing``
 (topk_softmax, grouped_topk), ``sampling`` (apply_top_k_top_p, apply_penalties) and
-``rejection`` (the rejection-sampling kernels of speculative decoding); their Triton
+``rejection`` (the rejection-sampling kernels of speculative decoding) and ``lora``
+(lora_shrink, lora_expand: multi-LoRA batches); their Triton
 kernels live in ``triton_kernels`` and their torch_npu calls in ``npu_ops``.
 """
 
 from ascend_kernels.__about__ import __version__
 from ascend_kernels.activation import silu_and_mul
 from ascend_kernels.dispatch import BACKENDS, BackendUnavailable, resolve_backend
+from ascend_kernels.lora import lora_expand, lora_shrink
 from ascend_kernels.moe import moe_experts
 from ascend_kernels.norm import add_rms_norm, l2norm, rms_norm
 from ascend_kernels.quant import add_rms_norm_quant, dynamic_per_token_quant, scaled_int8_mm
@@ -45,6 +47,8 @@ __all__ = [
     "generate_uniform_probs",
     "grouped_topk",
     "l2norm",
+    "lora_expand",
+    "lora_shrink",
     "moe_experts",
     "rejection_greedy_sample",
     "rejection_random_sample",

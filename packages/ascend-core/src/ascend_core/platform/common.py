@@ -11,6 +11,8 @@ from ascend_core.suggest import did_you_mean
 
 logger = logging.getLogger(__name__)
 
+PUNICA_WRAPPER = "ascend_core.lora.punica.AscendPunicaWrapper"
+
 
 class AscendPlatformMixin:
     """Mixed into AscendPlatform and AscendHostPlatform, before vLLM's base class."""
@@ -33,6 +35,11 @@ class AscendPlatformMixin:
             if hard_fail:
                 raise ValueError(message)
             logger.warning(message)
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        """Multi-LoRA batches on the plugin's LoRA kernels (``ascend_kernels.lora``)."""
+        return PUNICA_WRAPPER
 
     @classmethod
     def run_config_hooks(cls, vllm_config) -> None:
