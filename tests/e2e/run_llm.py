@@ -46,6 +46,12 @@ def medusa_rows(runner) -> list[int] | None:
     return [heads.row_offset, heads.row_offset + heads.head_weight(0).shape[0]]
 
 
+def punica_wrappers(runner) -> list[str] | None:
+    manager = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
+    mapping = getattr(manager, "punica_wrapper_mapping", None)
+    return sorted({type(w).__name__ for w in mapping.values()}) if mapping else None
+
+
 def probe_worker(worker) -> dict:
     """Runs inside each worker process: which classes did vLLM actually use?"""
     worker = getattr(worker, "worker", worker)  # collective_rpc hands us the wrapper
@@ -67,6 +73,8 @@ def probe_worker(worker) -> dict:
         "drafter_counters": dict(getattr(getattr(runner, "drafter", None), "ascend_counters",
                                          None) or {}),
         "medusa_rows": medusa_rows(runner),
+        # With LoRA enabled: the Punica wrapper classes vLLM's LoRA manager uses.
+        "punica_wrappers": punica_wrappers(runner),
         "rejection_sampler_source": getattr(runner, "rejection_sampler_source", None),
         "rejection_sampler": type(getattr(runner, "rejection_sampler", None)).__name__,
         "rejection_sampler_calls": getattr(getattr(runner, "rejection_sampler", None),
@@ -125,6 +133,18 @@ def score(llm, sequences: list[list[int]]) -> dict:
                                for ids, out in zip(sequences, outputs, strict=True)]}
 
 
+def lora_requests(lora: dict | None) -> list | None:
+    """One LoRARequest (or None: the base model) per prompt, from ``{"adapters": {name:
+    folder}, "per_prompt": [name or None, ...]}``; ids follow the adapters' order."""
+    if not lora:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    made = {name: LoRARequest(name, number, path)
+            for number, (name, path) in enumerate(lora["adapters"].items(), start=1)}
+    return [made[name] if name else None for name in lora["per_prompt"]]
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -140,7 +160,8 @@ def main() -> None:
     # "sampling" overrides these SamplingParams (e.g. {"temperature": 0.8, "seed": 7}).
     params = SamplingParams(**{"temperature": 0.0, "max_tokens": args.get("max_tokens", 16),
                                "ignore_eos": True, **args.get("sampling", {})})
-    outputs = llm.generate(args["prompts"], params, use_tqdm=False)
+    outputs = llm.generate(args["prompts"], params, use_tqdm=False,
+                           lora_request=lora_requests(args.get("lora")))
     result = {
         "platform": type(current_platform).__module__ + "." + type(current_platform).__name__,
         "token_ids": [list(out.outputs[0].token_ids) for out in outputs],

@@ -8,6 +8,7 @@ from vllm.lora.layers import LoRAMapping
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
 from ascend_core.lora.punica import AscendPunicaWrapper
+
 from npu_reference import reference_on_path
 
 SLOTS, RANK, HIDDEN, VOCAB = 3, 8, 32, 50
@@ -89,3 +90,54 @@ def test_both_platforms_name_the_wrapper(platform):
         with reference_on_path(forget=["ascend_core.platform.npu"]):
             from ascend_core.platform.npu import AscendPlatform as cls
     assert cls.get_punica_wrapper() == "ascend_core.lora.punica.AscendPunicaWrapper"
+
+
+class Linear(torch.nn.Module):
+    """What the check reads of vLLM's linear layers: full input and output sizes."""
+
+    def __init__(self, inputs, outputs, output_sizes=None):
+        super().__init__()
+        self.input_size, self.output_size = inputs, outputs
+        if output_sizes:
+            self.output_sizes = output_sizes
+
+
+class TinyModel(torch.nn.Module):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.Module()
+        layer.self_attn = torch.nn.Module()
+        layer.self_attn.qkv_proj = Linear(32, 64, [32, 16, 16])
+        layer.self_attn.o_proj = Linear(32, 32)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([layer])
+
+
+def write_adapter(folder, shapes):
+    from safetensors.torch import save_file
+
+    prefix = "base_model.model.model.layers.0.self_attn"
+    save_file({f"{prefix}.{name}.{part}.weight": torch.zeros(shape)
+               for name, parts in shapes.items() for part, shape in parts.items()},
+              str(folder / "adapter_model.safetensors"))
+
+
+def test_an_adapter_of_this_model_fits(tmp_path):
+    from ascend_core.lora.checks import check_adapter_fits
+
+    write_adapter(tmp_path, {"k_proj": {"lora_A": (8, 32), "lora_B": (16, 8)},
+                             "o_proj": {"lora_A": (8, 32), "lora_B": (32, 8)}})
+    check_adapter_fits(TinyModel(), tmp_path)
+
+
+def test_an_adapter_of_another_base_is_refused_naming_the_layer(tmp_path):
+    from ascend_core.lora.checks import AdapterMismatch, check_adapter_fits
+
+    # k_proj's outputs are 16 in this model (its share of qkv_proj); this adapter's are 32.
+    write_adapter(tmp_path, {"k_proj": {"lora_A": (8, 32), "lora_B": (32, 8)}})
+    with pytest.raises(AdapterMismatch, match=r"model\.layers\.0\.self_attn\.k_proj takes 32 "
+                       r"inputs and gives 16 outputs here, but the adapter's lora_A is "
+                       r"\[8, 32\] and lora_B \[32, 8\]"):
+        check_adapter_fits(TinyModel(), tmp_path)

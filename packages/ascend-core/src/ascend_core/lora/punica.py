@@ -20,8 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ascend_kernels import lora_expand, lora_shrink
 from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+
+from ascend_kernels import lora_expand, lora_shrink
 
 
 class AscendPunicaWrapper(PunicaWrapperBase):

@@ -52,6 +52,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ascend_core.attention.npu_graph_tasks import graph_cls_with_task_updates, task_counts
 from ascend_core.distributed.npu_communicator import npu_graph_capture
+from ascend_core.lora.checks import CheckedLoRARunnerMixin
 from ascend_core.worker.speculative import (
     install_registered_proposer,
     install_registered_rejection_sampler,
@@ -222,7 +223,7 @@ def check_capture_sizes_fit_cache(
 # --- the runner ------------------------------------------------------------------------------
 
 
-class NPUModelRunner(GPUModelRunner):
+class NPUModelRunner(CheckedLoRARunnerMixin, GPUModelRunner):
     def __init__(self, vllm_config, device: torch.device):
         if device.type != "npu":
             raise ValueError(f"NPUModelRunner runs on an npu device, got {device}.")
