@@ -19,6 +19,11 @@ l2norm, dynamic_per_token_quant, add_rms_norm_quant) at tokens {1, 64, 4096, 327
 4. writes ``kernels_gpu.json`` and ``kernels_gpu.md`` (with the GPU's name and the torch and
    Triton versions) into ``--out`` (default ``benchmarks/results``).
 
+The multi-LoRA ops (lora_shrink, lora_expand) run a batch spread over 4 adapter slots of rank
+16 and no adapter (token t in slot ``t % 5 - 1``, -1 = none): shrink ``[tokens, hidden]`` to a
+float32 ``[tokens, 16]``, expand that back into ``[tokens, hidden]`` (added in place); their
+bytes are the activations, the used slots' weights and the outputs.
+
 Shapes: ``hidden`` is the row width of the norms and quant ops; silu_and_mul reads
 ``[tokens, 2 * hidden]`` and writes ``[tokens, hidden]``; rotary_embedding rotates 32 query
 + 8 key heads of 128 at hidden 4096 and 64 + 8 at 8192 (out of place, whole heads, a
@@ -61,13 +66,14 @@ QUICK_HIDDEN = (4096,)
 DRY_TOKENS = (1, 3)
 DRY_HIDDEN = (64, 96)
 OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "l2norm",
-       "dynamic_per_token_quant", "add_rms_norm_quant")
+       "dynamic_per_token_quant", "add_rms_norm_quant", "lora_shrink", "lora_expand")
 EPS = 1e-6
 # Goals of issue 6: at LARGE_TOKENS and more, at least as fast as torch.compile and this
 # fraction of copy bandwidth; at SMALL_TOKENS and fewer, no slower than eager.
 LARGE_TOKENS = 4096
 SMALL_TOKENS = 64
 BANDWIDTH_GOAL = 0.8
+LORA_SLOTS, LORA_RANK = 4, 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -160,7 +166,7 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
     import torch
 
     import ascend_kernels as ak
-    from ascend_kernels import activation, norm, quant, rope
+    from ascend_kernels import activation, lora, norm, quant, rope
 
     torch.manual_seed(tokens * 31 + hidden)
     elem = dtype.itemsize
@@ -187,7 +193,17 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
             return (randn(tokens, hidden), EPS)
         if op == "dynamic_per_token_quant":
             return (randn(tokens, hidden, scale=3.0),)
+        if op == "lora_shrink":
+            return (randn(tokens, hidden), randn(LORA_SLOTS, LORA_RANK, hidden, scale=0.02),
+                    torch.empty(tokens, LORA_RANK, device=device), token_lora, 0.5)
+        if op == "lora_expand":
+            return (torch.randn(tokens, LORA_RANK, device=device),
+                    randn(LORA_SLOTS, hidden, LORA_RANK, scale=0.02), randn(tokens, hidden),
+                    token_lora, 0, True)
         raise ValueError(f"unknown op {op!r}")
+
+    token_lora = torch.arange(tokens, device=device) % (LORA_SLOTS + 1) - 1
+    slot_weights = min(tokens, LORA_SLOTS) * LORA_RANK * hidden * elem
 
     rows = tokens * hidden
     float_close = _float_close(dtype)
@@ -214,6 +230,14 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
                                quant.add_rms_norm_quant_reference,
                                rows * (3 * elem + 1) + hidden * elem + tokens * 4,
                                _quant_close),
+        "lora_shrink": (lambda a: ak.lora_shrink(*a, backend="triton"),
+                        lora.lora_shrink_reference,
+                        rows * elem + slot_weights + tokens * (LORA_RANK * 4 + 8),
+                        _float_close(torch.float32)),
+        "lora_expand": (lambda a: ak.lora_expand(*a, backend="triton"),
+                        lora.lora_expand_reference,
+                        2 * rows * elem + slot_weights + tokens * (LORA_RANK * 4 + 8),
+                        float_close),
     }
     if op not in table:
         raise ValueError(f"unknown op {op!r}")
@@ -260,7 +284,11 @@ def _quant_close(got, want):
 
 
 def check(case: Case) -> None:
-    got, want = case.triton(case.arg_sets[0]), case.reference(*case.arg_sets[0])
+    # Each side on its own copy of the inputs: the LoRA ops write into an argument.
+    def fresh() -> tuple:
+        return tuple(a.clone() if hasattr(a, "clone") else a for a in case.arg_sets[0])
+
+    got, want = case.triton(fresh()), case.reference(*fresh())
     try:
         case.compare(got, want)
     except AssertionError as error:

@@ -56,7 +56,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, out: torch.Tensor,
     op = "lora_shrink"
     require_float(op, "x", x)
     weights = _slot_weights(op, "lora_a", lora_a)
-    slots, rank, hidden = weights.shape
+    _, rank, hidden = weights.shape
     if x.dim() != 2 or x.shape[1] != hidden:
         raise ValueError(f"{op}: x must be [tokens, {hidden}] to match lora_a's hidden size, "
                          f"got shape {tuple(x.shape)}")
@@ -66,10 +66,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, out: torch.Tensor,
                          f"{tuple(out.shape)}")
     chosen = resolve_backend(op, x, (REFERENCE, TRITON), backend)
     if chosen == REFERENCE or x.shape[0] == 0:
-        all_slots = (x.float() @ weights.float().reshape(slots * rank, hidden).T)
-        picked = _pick_slot(all_slots.view(-1, slots, rank), token_lora) * scale
-        out.copy_(torch.where((token_lora >= 0)[:, None], picked, 0.0))
-        return out
+        return lora_shrink_reference(x, weights, out, token_lora, scale)
     from ascend_kernels.triton_kernels import lora as triton_lora
 
     triton_lora.lora_gemv(x, weights, out, token_lora, scale, 0, add=False, zero_unmapped=True)
@@ -87,7 +84,7 @@ def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor,
     require_float(op, "x", x)
     require_float(op, "out", out)
     weights = _slot_weights(op, "lora_b", lora_b)
-    slots, n, rank = weights.shape
+    _, n, rank = weights.shape
     if x.dim() != 2 or x.shape[1] != rank:
         raise ValueError(f"{op}: x must be [tokens, {rank}] to match lora_b's rank, got shape "
                          f"{tuple(x.shape)}")
@@ -97,17 +94,7 @@ def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor,
                          f"got shape {tuple(out.shape)} and offset {offset}")
     chosen = resolve_backend(op, x, (REFERENCE, TRITON), backend)
     if chosen == REFERENCE or x.shape[0] == 0:
-        # Each token's rank vector placed in its own slot's block, zeros elsewhere: one
-        # product with every slot's weights gives each token its own adapter's output.
-        blocks = torch.zeros(x.shape[0], slots, rank, dtype=torch.float32, device=x.device)
-        index = token_lora.clamp(min=0).long().view(-1, 1, 1).expand(-1, 1, rank)
-        blocks.scatter_(1, index, x.float().unsqueeze(1))
-        product = torch.einsum("tsr,snr->tn", blocks, weights.float())
-        target = out[:, offset:offset + n]
-        if add_inputs:
-            product = product + target.float()
-        target.copy_(torch.where((token_lora >= 0)[:, None], product.to(out.dtype), target))
-        return out
+        return lora_expand_reference(x, weights, out, token_lora, offset, add_inputs)
     from ascend_kernels.triton_kernels import lora as triton_lora
 
     triton_lora.lora_gemv(x, weights, out, token_lora, 1.0, offset, add=add_inputs,
@@ -115,9 +102,31 @@ def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor,
     return out
 
 
-def _pick_slot(per_slot: torch.Tensor, token_lora: torch.Tensor) -> torch.Tensor:
-    """``per_slot[t, token_lora[t]]`` for ``per_slot`` ``[tokens, slots, cols]`` (slot 0
-    for tokens without one; the caller masks them)."""
-    cols = per_slot.shape[-1]
-    index = token_lora.clamp(min=0).long().view(-1, 1, 1).expand(-1, 1, cols)
-    return per_slot.gather(1, index).squeeze(1)
+def lora_shrink_reference(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                          token_lora: torch.Tensor, scale: float) -> torch.Tensor:
+    """``lora_shrink`` for checked inputs, ``weights`` ``[slots, rank, hidden]``."""
+    slots, rank, hidden = weights.shape
+    # Every slot's product, then each token's own: one matrix product, no per-token weights.
+    all_slots = x.float() @ weights.float().reshape(slots * rank, hidden).T
+    index = token_lora.clamp(min=0).long().view(-1, 1, 1).expand(-1, 1, rank)
+    picked = all_slots.view(-1, slots, rank).gather(1, index).squeeze(1) * scale
+    out.copy_(torch.where((token_lora >= 0)[:, None], picked, 0.0))
+    return out
+
+
+def lora_expand_reference(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                          token_lora: torch.Tensor, offset: int,
+                          add_inputs: bool) -> torch.Tensor:
+    """``lora_expand`` for checked inputs, ``weights`` ``[slots, n, rank]``."""
+    slots, n, rank = weights.shape
+    # Each token's rank vector placed in its own slot's block, zeros elsewhere: one product
+    # with every slot's weights gives each token its own adapter's output.
+    blocks = torch.zeros(x.shape[0], slots, rank, dtype=torch.float32, device=x.device)
+    index = token_lora.clamp(min=0).long().view(-1, 1, 1).expand(-1, 1, rank)
+    blocks.scatter_(1, index, x.float().unsqueeze(1))
+    product = torch.einsum("tsr,snr->tn", blocks, weights.float())
+    target = out[:, offset:offset + n]
+    if add_inputs:
+        product = product + target.float()
+    target.copy_(torch.where((token_lora >= 0)[:, None], product.to(out.dtype), target))
+    return out
