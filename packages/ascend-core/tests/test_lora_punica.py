@@ -141,3 +141,28 @@ def test_an_adapter_of_another_base_is_refused_naming_the_layer(tmp_path):
                        r"inputs and gives 16 outputs here, but the adapter's lora_A is "
                        r"\[8, 32\] and lora_B \[32, 8\]"):
         check_adapter_fits(TinyModel(), tmp_path)
+
+
+def test_a_step_without_adapters_runs_no_lora_op(monkeypatch):
+    """As vLLM's own wrappers: decode steps of base requests alone cost nothing extra."""
+    import ascend_core.lora.punica as punica
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a LoRA op ran in a step without adapters")
+
+    monkeypatch.setattr(punica, "lora_shrink", refuse)
+    monkeypatch.setattr(punica, "lora_expand", refuse)
+    wrapper = AscendPunicaWrapper(64, 8, "cpu")
+    wrapper.update_metadata(LoRAMapping((0,) * 4, (0, 0), is_prefill=False), SLOT_OF_ID,
+                            SLOTS, VOCAB)
+    y = torch.zeros(4, SLICES[0])
+    wrapper.add_lora_linear(y, torch.randn(4, HIDDEN), (stacked(RANK, HIDDEN, 1),),
+                            (stacked(SLICES[0], RANK, 2),), 1.0, SLICES[:1])
+    wrapper.add_lora_logits(torch.zeros(2, VOCAB), torch.randn(2, HIDDEN),
+                            stacked(RANK, HIDDEN, 5), stacked(VOCAB, RANK, 6), 1.0)
+    assert (y == 0).all()
+    wrapper.update_metadata(LoRAMapping((0, 9, 0, 0), (0, 9), is_prefill=False), SLOT_OF_ID,
+                            SLOTS, VOCAB)
+    with pytest.raises(AssertionError, match="a LoRA op ran"):
+        wrapper.add_lora_linear(y, torch.randn(4, HIDDEN), (stacked(RANK, HIDDEN, 1),),
+                                (stacked(SLICES[0], RANK, 2),), 1.0, SLICES[:1])

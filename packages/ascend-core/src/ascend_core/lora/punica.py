@@ -32,6 +32,18 @@ class AscendPunicaWrapper(PunicaWrapperBase):
         for buffer in (self._token_lora_indices, self._sampler_indices):
             buffer.fill_(-1)
 
+    def update_metadata(self, mapping, lora_index_to_id: list[int | None], max_loras: int,
+                        vocab_size: int, **kwargs: Any) -> None:
+        """The step's slots into vLLM's buffers. vLLM's prefill metadata (token runs per
+        adapter, for the CPU and GPU wrappers' segment kernels) is not computed: these ops
+        take the per-token slots, and that computation syncs with the device every step.
+        ``no_lora`` comes from the host-side mapping (adapter id 0 = none): a step without
+        any adapter skips the LoRA ops, as vLLM's wrappers do. A FULL graph captured with
+        adapters keeps them (vLLM captures with warm-up adapters active)."""
+        self._update_base_metadata(mapping, lora_index_to_id, max_loras, vocab_size)
+        self.is_prefill = mapping.is_prefill
+        self.no_lora = max(mapping.index_mapping, default=0) <= 0
+
     def _token_slots(self, tokens: int) -> torch.Tensor:
         """Each token's slot; rows past this step's tokens (graph padding) read whatever an
         earlier step left, -1 or a loaded slot, and are discarded by the caller."""
@@ -45,6 +57,8 @@ class AscendPunicaWrapper(PunicaWrapperBase):
                    **kwargs: Any) -> None:
         """``y[i] = scale * x @ lora_a_stacked[i]`` per slice, each token with its slot's
         weights (rows of tokens without an adapter are zero)."""
+        if self.no_lora:
+            return
         x = x.view(-1, x.shape[-1])
         slots = self._token_slots(x.shape[0])
         for index, lora_a in enumerate(lora_a_stacked):
@@ -55,6 +69,8 @@ class AscendPunicaWrapper(PunicaWrapperBase):
                    lora_b_stacked: tuple[torch.Tensor, ...], output_slices: tuple[int, ...],
                    offset_start: int = 0, add_inputs: bool = True, **kwargs: Any) -> None:
         """``y[:, offset:offset+slice_i] += x[i] @ lora_b_stacked[i]``, slice after slice."""
+        if self.no_lora:
+            return
         out = y.view(-1, y.shape[-1])
         slots = self._token_slots(out.shape[0])
         offset = offset_start
@@ -66,6 +82,8 @@ class AscendPunicaWrapper(PunicaWrapperBase):
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor,
                            lora_b_stacked: torch.Tensor, add_inputs: bool = True,
                            **kwargs: Any) -> None:
+        if self.no_lora:
+            return
         out = y.view(-1, y.shape[-1])
         lora_expand(x.view(out.shape[0], -1), lora_b_stacked, out,
                     self._token_slots(out.shape[0]), 0, add_inputs)
@@ -80,6 +98,8 @@ class AscendPunicaWrapper(PunicaWrapperBase):
             raise ValueError(f"add_lora_linear: {len(lora_a_stacked)} lora_a slices, "
                              f"{len(lora_b_stacked)} lora_b slices and {len(output_slices)} "
                              "output slices; they must be as many")
+        if self.no_lora:
+            return
         if buffer is None:
             rank = lora_b_stacked[0].size(-1)
             buffer = tuple(torch.empty(x.size(0), rank, dtype=torch.float32, device=x.device)
@@ -91,6 +111,8 @@ class AscendPunicaWrapper(PunicaWrapperBase):
                         lora_b_stacked: torch.Tensor, scale: float, *,
                         buffer: torch.Tensor | None = None, **kwargs: Any) -> None:
         """The logits rows are one per sampled token, mapped by the sampler's slots."""
+        if self.no_lora:
+            return
         out = y.view(-1, y.shape[-1])
         x = x.view(-1, x.shape[-1])
         slots = self._sampler_slots(x.shape[0])
@@ -104,6 +126,8 @@ class AscendPunicaWrapper(PunicaWrapperBase):
                                weight_stacked: torch.Tensor, bias_stacked: torch.Tensor,
                                module_enabled: torch.Tensor) -> None:
         """Rows of requests whose adapter replaces this linear layer whole take its output."""
+        if self.no_lora:
+            return
         adapter_y = torch.empty(x.size(0), weight_stacked.size(-2), dtype=torch.float32,
                                 device=x.device)
         lora_shrink(x, weight_stacked, adapter_y, self._sampler_slots(x.size(0)), 1.0)
