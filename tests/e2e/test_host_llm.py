@@ -64,6 +64,16 @@ def test_tensor_parallel_2_equals_1(llama_dir, plugin_llama):
     assert result["token_ids"] == plugin_llama["token_ids"]
 
 
+def test_pipeline_parallel_2_equals_1(llama_dir, plugin_llama):
+    result = run_vllm({"model": llama_dir, "prompts": PROMPTS,
+                       "llm": {"pipeline_parallel_size": 2,
+                               "distributed_executor_backend": "mp"}},
+                      {**HOST, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert result["platform"] == "ascend_core.platform.host.AscendHostPlatform"
+    assert len(result["workers"]) == 2
+    assert result["token_ids"] == plugin_llama["token_ids"]
+
+
 @pytest.mark.parametrize("additional_config, message", [
     ({"enable_cpu_bindng": True}, "Did you mean 'enable_cpu_binding'?"),
     ({"enable_mlapo": True}, "'enable_mlapo' was removed"),

@@ -247,6 +247,16 @@ def test_tensor_parallel_2_over_hccl_equals_tp_1(medusa_demo, medusa_base_npu):
     assert medusa_base_npu["workers"][0]["cpu_affinity"] == sorted(os.sched_getaffinity(0))
 
 
+def test_pipeline_parallel_2_over_hccl_equals_pp_1(medusa_demo, medusa_base_npu):
+    """Two stages on two reference NPUs: vLLM's stage-to-stage tensors go through the
+    group's send / recv (``hccl``, gloo underneath)."""
+    env = {**NPU, "TORCH_NPU_REFERENCE_DEVICE_COUNT": "2"}
+    result = run(medusa_demo[0], env, pipeline_parallel_size=2,
+                 distributed_executor_backend="mp")
+    assert_on_npu(result, workers=2)
+    assert_equal_up_to_near_ties(result, medusa_base_npu, "PP 2 vs PP 1 on npu")
+
+
 # --- MoE (unquantized experts) ----------------------------------------------------------------
 
 

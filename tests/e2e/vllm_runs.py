@@ -52,10 +52,12 @@ def pin_xdist_worker_to_one_core() -> None:
 
 
 def cores_for(llm: dict, env: dict | None):
-    """A ``preexec_fn`` giving a run every core when it has several workers (tensor parallel,
-    or vLLM's CPU threads bound to several cores), else None (the caller's cores)."""
+    """A ``preexec_fn`` giving a run every core when it has several workers (tensor or
+    pipeline parallel, or vLLM's CPU threads bound to several cores), else None (the
+    caller's cores)."""
     bind = (env or {}).get("VLLM_CPU_OMP_THREADS_BIND", "")
-    if llm.get("tensor_parallel_size", 1) > 1 or "|" in bind:
+    ranks = llm.get("tensor_parallel_size", 1) * llm.get("pipeline_parallel_size", 1)
+    if ranks > 1 or "|" in bind:
         return lambda: os.sched_setaffinity(0, ALL_CPUS)
     return None
 

@@ -1,4 +1,10 @@
-"""The host target's model runner: vLLM's CPU runner plus the plugin's hooks."""
+"""The host target's model runner: vLLM's CPU runner plus the plugin's hooks.
+
+Pipeline parallel: a later stage receives its input activations into a buffer that vLLM's
+GPU runner allocates in its dummy run; vLLM's CPU runner runs none in eager mode, so stock
+vLLM's CPU pipeline parallel stops at the first step (``assert self.intermediate_tensors is
+not None``). This runner allocates the buffer on first use instead.
+"""
 
 from __future__ import annotations
 
@@ -19,3 +25,12 @@ class AscendHostModelRunner(CheckedLoRARunnerMixin, CPUModelRunner):
             super().__init__(vllm_config, device)
         self.proposer_source = install_registered_proposer(self)
         self.rejection_sampler_source = install_registered_rejection_sampler(self)
+
+    def sync_and_gather_intermediate_tensors(self, num_tokens, intermediate_tensors,
+                                             sync_self):
+        if self.intermediate_tensors is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype,
+                device=self.device)
+        return super().sync_and_gather_intermediate_tensors(num_tokens, intermediate_tensors,
+                                                            sync_self)
