@@ -122,6 +122,8 @@ _MODEL_CLASSES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     # Qwen3-MoE is the one of the two that implements vLLM's MixtureOfExperts (EPLB) interface.
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    # Hybrid attention: gated delta-net (linear attention) layers between full-attention ones.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
 }
 MODEL_KINDS = tuple(_MODEL_CLASSES)
 
@@ -141,6 +143,22 @@ _MOE_DEFAULTS = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "norm_topk_prob": True,
+    },
+    "qwen3_next": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": ["linear_attention", "full_attention"] * 2,
     },
 }
 
