@@ -9,6 +9,9 @@ walk that heads can learn several steps ahead, which is what acceptance needs.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from tiny_medusa import MEDUSA_HEADS, TINY_MEDUSA_BASE, tiny_medusa_options
@@ -108,6 +111,23 @@ def test_mean_acceptance_length_at_k3(ours, ours_batch_1):
           f"{drafts} drafts, accepted per position {per_position}); at batch 1 "
           f"{acceptance_length(ours_batch_1):.3f}")
     assert length >= MIN_ACCEPTANCE_LENGTH
+
+
+def test_served_acceptance_equals_the_trainers_estimate(base_dir, heads_dir):
+    """The prompts the trainer held out, served with its heads in the dtype it estimated
+    for, as long as its continuations: vLLM's acceptance counters within 0.1 of the
+    trainer's estimate (``training.json``'s ``served``)."""
+    report = json.loads((Path(heads_dir) / "training.json").read_text())
+    prompts = json.loads((Path(heads_dir) / "held_out_prompts.json").read_text())
+    result = run_vllm({"model": base_dir,
+                       "prompts": [{"prompt_token_ids": ids} for ids in prompts],
+                       "max_tokens": report["options"]["continuation_tokens"],
+                       "llm": {"disable_log_stats": False, "dtype": report["dtype"],
+                               "speculative_config": medusa(heads_dir)}}, HOST)
+    served, estimate = acceptance_length(result), report["served"]["acceptance_length"]
+    print(f"\nMedusa on {len(prompts)} held-out prompts: served {served:.3f}, trainer's "
+          f"estimate {estimate:.3f}")
+    assert abs(served - estimate) <= 0.1
 
 
 def test_stock_vllm_loads_the_same_heads_and_drafts_the_same(base_dir, heads_dir, ours,

@@ -15,6 +15,7 @@ from ascend_specdec.medusa.training import (
     generate_distillation_data,
     head_losses,
     init_heads,
+    served_walk,
     text_prompts,
     to_draft_vocab,
     train_heads,
@@ -169,3 +170,27 @@ def test_distillation_data_from_text_continues_the_given_windows():
 def test_base_dtype_must_be_a_float_type():
     with pytest.raises(ValueError, match="base_dtype='int8'"):
         TrainOptions(base_dtype="int8")
+
+
+def test_served_walk_steps_past_accepted_drafts():
+    """Acceptance as serving meets it: a step that accepts 3 drafts skips the rows of those
+    tokens and of the target's own, so the long run is one step, not four rows' worth."""
+    leading = torch.tensor([3, 0, 0, 0,
+                            0, 1, 0, -1])  # -1: a row without every head's target
+    assert served_walk(leading, 4) == pytest.approx(1 + (3 + 0 + 1) / 3)
+    # The mean over rows would say 1 + 4 / 7: the walk is what vLLM's counters see.
+
+
+def test_held_out_rows_are_evaluated_as_served():
+    base = ToyBigramLM()
+    options = TrainOptions(heads=3, samples=40, continuation_tokens=12, steps=50,
+                           batch_size=64, min_prompt_tokens=2, max_prompt_tokens=6)
+    train, held = generate_distillation_data(base, options, torch.arange(base.vocab_size), None,
+                                             **QUIET)
+    assert held.sequence_rows == options.continuation_tokens - 1
+    assert len(held) == held.sequence_rows * len(held.prompts) == 4 * held.sequence_rows
+    assert all(2 <= len(p) <= 6 for p in held.prompts)
+    heads = train_heads(train, held, base.lm_head_weight(), options, **QUIET).heads
+    walked = evaluate(heads, held).acceptance_length
+    per_row = evaluate(heads, DistillationSet(held.features, held.targets)).acceptance_length
+    assert walked > 1.5 and walked != per_row

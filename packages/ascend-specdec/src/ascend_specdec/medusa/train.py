@@ -29,8 +29,12 @@ from ascend_specdec.medusa.training import (
 )
 
 # Bump when a change here alters what training writes, so cached heads are not reused.
-TRAIN_VERSION = 2  # 2: the base runs in the checkpoint's dtype, prompts may come from text
+# 2: the base runs in the checkpoint's dtype, prompts may come from text; 3: acceptance
+# walked as served, held-out prompts saved
+TRAIN_VERSION = 3
 REPORT_FILE = "training.json"
+# The held-out prompts' token ids (BOS included), to serve them and compare with the report.
+HELD_OUT_PROMPTS_FILE = "held_out_prompts.json"
 CACHE_ENV_VAR = "ASCEND_PLUGIN_MODEL_CACHE"  # the tiny models' cache: heads sit beside them
 DEFAULT_CACHE_ROOT = Path("~/.cache/ascend-plugin/models")
 
@@ -99,6 +103,8 @@ def train_medusa_heads(base_dir: str | Path, out_dir: str | Path,
     }
     (Path(out_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n",
                                              encoding="utf-8")
+    (Path(out_dir) / HELD_OUT_PROMPTS_FILE).write_text(json.dumps(held_out.prompts) + "\n",
+                                                       encoding="utf-8")
     log(f"wrote {out_dir} ({time.monotonic() - started:.1f} s in all)")
     return result
 

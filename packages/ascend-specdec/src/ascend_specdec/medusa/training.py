@@ -103,10 +103,16 @@ class TrainOptions:
 
 @dataclass
 class DistillationSet:
-    """Training rows: hidden states [N, H] and per-head targets [N, K] (IGNORE where none)."""
+    """Training rows: hidden states [N, H] and per-head targets [N, K] (IGNORE where none).
+
+    ``sequence_rows``: rows per continuation, in order, when every continuation has as many
+    (0: unknown), which lets ``evaluate`` walk each one as serving does; ``prompts``: the
+    token ids of the prompts those continuations came from (kept for the held-out set)."""
 
     features: torch.Tensor
     targets: torch.Tensor
+    sequence_rows: int = 0
+    prompts: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return self.features.shape[0]
@@ -115,7 +121,7 @@ class DistillationSet:
 @dataclass
 class Evaluation:
     top1: list[float]             # per head, over rows that have that head's target
-    acceptance_length: float      # 1 + mean number of leading correct heads
+    acceptance_length: float      # 1 + accepted drafts per verification step
     loss: float
 
     def describe(self) -> str:
@@ -198,12 +204,15 @@ def distillation_rows(tokens: torch.Tensor, hidden: torch.Tensor, prompt_len: in
     targets = tokens[:, offsets.clamp(max=total - 1)]  # [B, R, K]
     targets = targets.masked_fill(~valid, IGNORE)
     return DistillationSet(features.reshape(-1, hidden.shape[-1]).float(),
-                           targets.reshape(-1, num_heads).long())
+                           targets.reshape(-1, num_heads).long(), sequence_rows=len(positions))
 
 
 def concat(sets: list[DistillationSet]) -> DistillationSet:
+    per_sequence = {s.sequence_rows for s in sets}
     return DistillationSet(torch.cat([s.features for s in sets]),
-                           torch.cat([s.targets for s in sets]))
+                           torch.cat([s.targets for s in sets]),
+                           sequence_rows=per_sequence.pop() if len(per_sequence) == 1 else 0,
+                           prompts=[p for s in sets for p in s.prompts])
 
 
 def file_prompt_batches(prompts: list[torch.Tensor], options: TrainOptions,
@@ -284,8 +293,9 @@ def generate_distillation_data(base: BaseLM, options: TrainOptions, sample_ids: 
         held = min(max(num_held - done, 0), prompts.shape[0])
         if held:
             split = held * rows_per_seq
-            held_sets.append(DistillationSet(rows.features[:split], rows.targets[:split]))
-            rows = DistillationSet(rows.features[split:], rows.targets[split:])
+            held_sets.append(DistillationSet(rows.features[:split], rows.targets[:split],
+                                             rows_per_seq, prompts[:held].tolist()))
+            rows = DistillationSet(rows.features[split:], rows.targets[split:], rows_per_seq)
         if len(rows):
             train_sets.append(rows)
         done += prompts.shape[0]
@@ -360,12 +370,19 @@ def head_losses(heads: MedusaHeads, features: torch.Tensor, targets: torch.Tenso
 
 @torch.no_grad()
 def evaluate(heads: MedusaHeads, data: DistillationSet, chunk: int = 4096) -> Evaluation:
-    """Top-1 accuracy per head and the greedy acceptance length, in base-vocabulary terms."""
+    """Top-1 accuracy per head and the greedy acceptance length, in base-vocabulary terms.
+
+    With the continuations' boundaries known (``data.sequence_rows``), the acceptance length
+    is that of serving: each continuation walked from its first row, every verification
+    step accepting its leading correct drafts and moving past them and the target's own
+    token. Otherwise it is the mean over every row, which overstates serving wherever easy
+    stretches (long accepted runs) are crossed in few steps."""
     k = heads.num_heads
     correct = torch.zeros(k)
     present = torch.zeros(k)
     accepted_sum = 0.0
     complete_rows = 0
+    leading_runs = []
     loss_sum = torch.zeros(k)
     vocab = heads.config.vocab_size
     for start in range(0, len(data), chunk):
@@ -381,12 +398,29 @@ def evaluate(heads: MedusaHeads, data: DistillationSet, chunk: int = 4096) -> Ev
         leading = hits.long().cumprod(dim=1).sum(dim=1)
         accepted_sum += float(leading[complete].sum())
         complete_rows += int(complete.sum())
+        leading_runs.append(leading.masked_fill(~complete, -1))
         draft_targets = to_draft_vocab(targets, heads.token_map, vocab)
         loss_sum += head_losses(heads, features, draft_targets) * has.sum(dim=0)
     top1 = (correct / present.clamp(min=1)).tolist()
     loss = float((loss_sum / present.clamp(min=1)).mean())
     length = 1.0 + accepted_sum / max(complete_rows, 1)
+    if data.sequence_rows and leading_runs:
+        length = served_walk(torch.cat(leading_runs), data.sequence_rows)
     return Evaluation(top1=top1, acceptance_length=length, loss=loss)
+
+
+def served_walk(leading: torch.Tensor, sequence_rows: int) -> float:
+    """1 + accepted drafts per step over continuations of ``sequence_rows`` rows each, walked
+    as a verifier does; ``leading`` [N]: accepted drafts at each row, -1 where the row lacks
+    targets for every head (a continuation's end), where its walk stops."""
+    accepted = steps = 0
+    for sequence in leading.view(-1, sequence_rows).tolist():
+        row = 0
+        while row < sequence_rows and sequence[row] >= 0:
+            accepted += sequence[row]
+            steps += 1
+            row += sequence[row] + 1
+    return 1.0 + accepted / max(steps, 1)
 
 
 def served_estimate(heads: MedusaHeads, held_out: DistillationSet,
@@ -396,7 +430,8 @@ def served_estimate(heads: MedusaHeads, held_out: DistillationSet,
     import copy
 
     return evaluate(copy.deepcopy(heads).to(dtype),
-                    DistillationSet(held_out.features.to(dtype), held_out.targets))
+                    DistillationSet(held_out.features.to(dtype), held_out.targets,
+                                    held_out.sequence_rows))
 
 
 def train_heads(train: DistillationSet, held_out: DistillationSet, base_lm_head: torch.Tensor,
