@@ -8,6 +8,7 @@ time by ``ascend_plugin.tiny_adapters``) and the base model in one batch.
   sent at once;
 - the base model unchanged by loaded adapters: requests without an adapter equal the run
   without LoRA, with every adapter slot in use. Stock vLLM's CPU ops fail this (below);
+- tensor parallel 2 on the host target equals stock at TP 1;
 - npu target (reference torch_npu, bfloat16) under FULL decode graphs against the host
   target in bfloat16, up to near-ties checked in both runs' logprobs;
 - bad adapters loaded at run time (rank above ``--max-lora-rank``, modules the model lacks,
@@ -181,6 +182,15 @@ def test_bad_adapters_are_refused_and_the_server_keeps_serving(served):
     assert ("model.layers.0.mlp.down_proj takes 256 inputs and gives 128 outputs here, "
             "but the adapter's lora_A is [8, 256] and lora_B [256, 8]") in refused["other_base"]
     assert served["after"] == served["texts"][0]
+
+
+def test_tensor_parallel_2_equals_stock_tp_1(llama_dir, adapters, stock_lora):
+    """Sharded LoRA layers (column- and row-parallel slices, the all-gather / all-reduce of
+    the shrunk activations) on two host ranks."""
+    result = lora_run(llama_dir, adapters, {**HOST, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                      tensor_parallel_size=2)
+    assert [w["punica_wrappers"] for w in result["workers"]] == [WRAPPER, WRAPPER]
+    assert result["token_ids"] == stock_lora["token_ids"]
 
 
 @pytest.fixture(scope="module")
