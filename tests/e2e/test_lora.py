@@ -48,8 +48,13 @@ def adapters(llama_dir) -> dict[str, str]:
             for name, seed in (("a", 1), ("b", 2))}
 
 
-def lora_run(model: str, adapters: dict, env: dict | None, **llm) -> dict:
-    return run_vllm({"model": model, "prompts": PROMPTS,
+def lora_run(model: str, adapters: dict, env: dict | None, logprobs: bool = False,
+             **llm) -> dict:
+    """The 8 prompts, 16 greedy tokens each, under ADAPTER_OF_PROMPT's adapters; with
+    ``logprobs``, each position's top TOP_LOGPROBS too."""
+    sampling = {"logprobs": TOP_LOGPROBS} if logprobs else {}
+    return run_vllm({"model": model, "prompts": PROMPTS, "max_tokens": 16,
+                     "sampling": sampling,
                      "lora": {"adapters": adapters, "per_prompt": ADAPTER_OF_PROMPT},
                      "llm": {**LORA_LLM, **llm}}, env)
 
@@ -195,19 +200,13 @@ def test_tensor_parallel_2_equals_stock_tp_1(llama_dir, adapters, stock_lora):
 
 @pytest.fixture(scope="module")
 def host_bf16(llama_dir, adapters) -> dict:
-    return run_vllm({"model": llama_dir, "prompts": PROMPTS, "max_tokens": 16,
-                     "sampling": {"logprobs": TOP_LOGPROBS},
-                     "lora": {"adapters": adapters, "per_prompt": ADAPTER_OF_PROMPT},
-                     "llm": {**LLM, **LORA_LLM}}, HOST)
+    return lora_run(llama_dir, adapters, HOST, logprobs=True, **LLM)
 
 
 def test_npu_full_decode_graphs_equal_the_host_target(llama_dir, adapters, host_bf16):
     graphs = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"},
               "enforce_eager": False, "max_num_seqs": 8}
-    result = run_vllm({"model": llama_dir, "prompts": PROMPTS, "max_tokens": 16,
-                       "sampling": {"logprobs": TOP_LOGPROBS},
-                       "lora": {"adapters": adapters, "per_prompt": ADAPTER_OF_PROMPT},
-                       "llm": {**LLM, **LORA_LLM, **graphs}}, NPU)
+    result = lora_run(llama_dir, adapters, NPU, logprobs=True, **LLM, **graphs)
     assert_on_npu(result)
     (worker,) = result["workers"]
     assert worker["punica_wrappers"] == WRAPPER
