@@ -111,6 +111,31 @@ def test_expand_triton_matches_reference(dtype, add_inputs, n):
     assert_close(ours, reference, dtype, scale=4)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_batches_take_the_tiled_kernel_and_match_reference(dtype):
+    """Prefill-sized batches (>= TILED_MIN_TOKENS) run a tile of tokens per program."""
+    from ascend_kernels.triton_kernels.lora import TILED_MIN_TOKENS
+
+    tokens = TILED_MIN_TOKENS + 37  # a partial last tile
+    token_lora = torch.randint(-1, SLOTS - 1, (tokens,),
+                               generator=torch.Generator().manual_seed(0))  # last slot unused
+    x = torch.randn(tokens, 100).to(dtype)  # 100: partial reduction blocks
+    lora_a = adapters(dtype, RANK, 100)
+    ours = lora_shrink(x, lora_a, torch.full((tokens, RANK), 7.0), token_lora, 0.5,
+                       backend="triton")
+    reference = lora_shrink(x, lora_a, torch.empty(tokens, RANK), token_lora, 0.5,
+                            backend="reference")
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+    lora_b = adapters(dtype, 150, RANK)
+    out = torch.randn(tokens, 170).to(dtype)
+    ours = lora_expand(reference, lora_b, out.clone(), token_lora, 20, backend="triton")
+    expected = lora_expand(reference, lora_b, out.clone(), token_lora, 20,
+                           backend="reference")
+    assert_close(ours, expected, dtype, scale=8)
+    assert torch.equal(ours[token_lora < 0], out[token_lora < 0])
+
+
 def test_empty_batch_is_a_no_op():
     out = torch.empty(0, RANK)
     lora_shrink(torch.empty(0, HIDDEN), adapters(torch.float32, RANK, HIDDEN), out,
