@@ -233,7 +233,9 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
         "lora_shrink": (lambda a: ak.lora_shrink(*a, backend="triton"),
                         lora.lora_shrink_reference,
                         rows * elem + slot_weights + tokens * (LORA_RANK * 4 + 8),
-                        _float_close(torch.float32)),
+                        # float32 sums of bfloat16 products: the matrix units' accumulation
+                        # order and rounding differ from the reference's matmul.
+                        _float_close(torch.float16)),
         "lora_expand": (lambda a: ak.lora_expand(*a, backend="triton"),
                         lora.lora_expand_reference,
                         2 * rows * elem + slot_weights + tokens * (LORA_RANK * 4 + 8),

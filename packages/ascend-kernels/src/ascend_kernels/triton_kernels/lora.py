@@ -7,7 +7,8 @@ program.
   device; a token without an adapter (slot -1) writes zeros (shrink) or nothing (expand).
   Otherwise it walks the reduction dimension in blocks, accumulating in float32.
 - ``_lora_tiled_kernel``, for prefill-sized batches, where one program per token reads the
-  adapter weights once per token: a 2-D grid of (tile of tokens, block of output columns).
+  adapter weights once per token: a 2-D grid of (tile of tokens, block of output columns),
+  16 tokens a tile for shrink (one column block) and 64 for expand.
   A program multiplies its tile by each slot's weights with the tokens of other slots
   masked to zero, on the matrix units (``tl.dot`` in tf32, which holds bfloat16 and float16
   weights exactly; ieee for float32 ones), skipping slots none of its tokens use;
@@ -111,7 +112,12 @@ def _lora_tiled_kernel(
 
 # Batches of at least this many tokens take the tiled kernel.
 TILED_MIN_TOKENS = 128
-_TILE_TOKENS = 64
+
+
+def _tile_tokens(n_cols: int) -> int:
+    """Tokens per program: few output columns (shrink: the rank) leave one column block, so
+    small tiles keep enough programs for the device's cores."""
+    return 16 if n_cols <= 64 else 64
 
 
 def lora_gemv(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
@@ -129,7 +135,8 @@ def lora_gemv(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
         # tl.dot takes blocks of at least 16 in every dimension.
         block_k = max(16, min(64, next_power_of_2(k_size)))
         block_n = max(16, min(128, next_power_of_2(n_cols)))
-        grid = (triton.cdiv(tokens, _TILE_TOKENS), triton.cdiv(n_cols, block_n))
+        tile = _tile_tokens(n_cols)
+        grid = (triton.cdiv(tokens, tile), triton.cdiv(n_cols, block_n))
         _lora_tiled_kernel[grid](
             x, x.stride(0),
             weights, weights.stride(0), weights.stride(1), weights.stride(2),
@@ -139,7 +146,7 @@ def lora_gemv(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
             ADD=add, ZERO_UNMAPPED=zero_unmapped,
             # tf32 holds bfloat16 and float16 values exactly; float32 weights need ieee.
             PRECISION="ieee" if weights.dtype == torch.float32 else "tf32",
-            BLOCK_T=_TILE_TOKENS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+            BLOCK_T=tile, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         )
         return
     block_k = min(_MAX_BLOCK_K, next_power_of_2(k_size))
