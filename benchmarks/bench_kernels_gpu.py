@@ -22,7 +22,9 @@ l2norm, dynamic_per_token_quant, add_rms_norm_quant) at tokens {1, 64, 4096, 327
 The multi-LoRA ops (lora_shrink, lora_expand) run a batch spread over 4 adapter slots of rank
 16 and no adapter (token t in slot ``t % 5 - 1``, -1 = none): shrink ``[tokens, hidden]`` to a
 float32 ``[tokens, 16]``, expand that back into ``[tokens, hidden]`` (added in place); their
-bytes are the activations, the used slots' weights and the outputs.
+bytes are the activations, the used slots' weights and the outputs. Their stored run is
+``benchmarks/results/kernels_gpu_lora.*`` (``--ops lora_shrink,lora_expand --out DIR``, the
+files renamed).
 
 Shapes: ``hidden`` is the row width of the norms and quant ops; silu_and_mul reads
 ``[tokens, 2 * hidden]`` and writes ``[tokens, hidden]``; rotary_embedding rotates 32 query
