@@ -158,6 +158,11 @@ def test_too_few_npus_for_the_parallel_layout_is_a_clear_error(reference_npu, mo
     assert "ASCEND_RT_VISIBLE_DEVICES='1'" in message
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "1,3")
     assert check_npus_for_layout(layout, local_rank=1) == 2
+    # Pipeline stages need NPUs of their own too: TP 2 x PP 2 is four.
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 x pipeline_parallel_size=2"
+                       r"\) needs 4 NPUs .* only 2 NPU\(s\) are visible"):
+        check_npus_for_layout(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2),
+                              local_rank=0)
 
 
 # --- the torch fallback of vLLM's slot-mapping kernel ----------------------------------------
