@@ -175,8 +175,8 @@ def test_stock_vllm_cpu_applies_the_last_adapter_to_base_requests(llama_dir, ada
 
 
 def test_bad_adapters_are_refused_and_the_server_keeps_serving(served):
-    """vLLM answers a load its engine refused with 500 and the engine's message (stock
-    vLLM does the same); the message names the problem with its values."""
+    """vLLM's load endpoint answers any refusal from the engine with 500 and the engine's
+    message; the message names the problem with its values."""
     refused = {name: json.loads(body)["error"]["message"]
                for name, (status, body) in served["refused"].items() if status == 500}
     assert set(refused) == {"rank16", "foreign_modules", "other_base"}, served["refused"]
