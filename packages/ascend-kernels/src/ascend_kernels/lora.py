@@ -38,7 +38,14 @@ def _slot_weights(op: str, name: str, weights: torch.Tensor) -> torch.Tensor:
     return weights
 
 
-def _check_indices(op: str, token_lora: torch.Tensor, tokens: int) -> None:
+def _check_rows(op: str, x: torch.Tensor, width: int, meaning: str,
+                token_lora: torch.Tensor) -> None:
+    """``x`` ``[tokens, width]`` and one slot per token in ``token_lora``."""
+    require_float(op, "x", x)
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"{op}: x must be [tokens, {width}] to match {meaning}, got shape "
+                         f"{tuple(x.shape)}")
+    tokens = x.shape[0]
     if token_lora.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{op}: token_lora has dtype {token_lora.dtype}; use int32 or int64")
     if token_lora.dim() != 1 or token_lora.shape[0] != tokens:
@@ -54,13 +61,9 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, out: torch.Tensor,
     hidden]`` (or with vLLM's unit dim), ``out`` ``[tokens, rank]`` (any float dtype; vLLM
     passes a float32 buffer), written in full and returned."""
     op = "lora_shrink"
-    require_float(op, "x", x)
     weights = _slot_weights(op, "lora_a", lora_a)
     _, rank, hidden = weights.shape
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ValueError(f"{op}: x must be [tokens, {hidden}] to match lora_a's hidden size, "
-                         f"got shape {tuple(x.shape)}")
-    _check_indices(op, token_lora, x.shape[0])
+    _check_rows(op, x, hidden, "lora_a's hidden size", token_lora)
     if out.shape != (x.shape[0], rank):
         raise ValueError(f"{op}: out must be [{x.shape[0]}, {rank}] (tokens, rank), got shape "
                          f"{tuple(out.shape)}")
@@ -69,7 +72,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, out: torch.Tensor,
         return lora_shrink_reference(x, weights, out, token_lora, scale)
     from ascend_kernels.triton_kernels import lora as triton_lora
 
-    triton_lora.lora_gemv(x, weights, out, token_lora, scale, 0, add=False, zero_unmapped=True)
+    triton_lora.lora_matmul(x, weights, out, token_lora, scale, 0, add=False, zero_unmapped=True)
     return out
 
 
@@ -81,14 +84,10 @@ def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor,
     ``x`` ``[tokens, rank]``, ``lora_b`` ``[slots, n, rank]`` (or with vLLM's unit dim),
     ``out`` ``[tokens, width]`` with ``offset + n <= width``. Returns ``out``."""
     op = "lora_expand"
-    require_float(op, "x", x)
     require_float(op, "out", out)
     weights = _slot_weights(op, "lora_b", lora_b)
     _, n, rank = weights.shape
-    if x.dim() != 2 or x.shape[1] != rank:
-        raise ValueError(f"{op}: x must be [tokens, {rank}] to match lora_b's rank, got shape "
-                         f"{tuple(x.shape)}")
-    _check_indices(op, token_lora, x.shape[0])
+    _check_rows(op, x, rank, "lora_b's rank", token_lora)
     if out.dim() != 2 or out.shape[0] != x.shape[0] or not 0 <= offset <= out.shape[1] - n:
         raise ValueError(f"{op}: out must be [{x.shape[0]}, >= offset + {n}] with offset >= 0, "
                          f"got shape {tuple(out.shape)} and offset {offset}")
@@ -97,7 +96,7 @@ def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor,
         return lora_expand_reference(x, weights, out, token_lora, offset, add_inputs)
     from ascend_kernels.triton_kernels import lora as triton_lora
 
-    triton_lora.lora_gemv(x, weights, out, token_lora, 1.0, offset, add=add_inputs,
+    triton_lora.lora_matmul(x, weights, out, token_lora, 1.0, offset, add=add_inputs,
                           zero_unmapped=False)
     return out
 

@@ -120,9 +120,9 @@ def _tile_tokens(n_cols: int) -> int:
     return 16 if n_cols <= 64 else 64
 
 
-def lora_gemv(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-              token_lora: torch.Tensor, scale: float, offset: int, *, add: bool,
-              zero_unmapped: bool) -> None:
+def lora_matmul(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                token_lora: torch.Tensor, scale: float, offset: int, *, add: bool,
+                zero_unmapped: bool) -> None:
     """``out[t, offset:offset+n] (+)= scale * x[t] @ weights[token_lora[t]].T`` for
     ``x`` ``[tokens, k]``, ``weights`` ``[slots, n, k]``, ``out`` ``[tokens, width]``."""
     tokens, k_size = x.shape
