@@ -248,7 +248,7 @@ def test_well_formed_call_succeeds(torch_npu):
      "key_shared_prefix is not modelled"),
     ({"query_rope": torch.zeros(1)}, RuntimeError, "must be given together"),
     ({"antiquant_scale": torch.zeros(1)}, NotImplementedError, "antiquant_scale"),
-    ({"input_layout": "TND"}, NotImplementedError, "TND"),
+    ({"input_layout": "TND"}, RuntimeError, "with input_layout='TND' it must be 3-D"),
     ({"input_layout": "BNSD"}, NotImplementedError, "'BNSD' is not modelled"),
     ({"block_table": None}, RuntimeError, "without block_table"),
     ({"sparse_mode": 4}, NotImplementedError, "sparse_mode=4"),

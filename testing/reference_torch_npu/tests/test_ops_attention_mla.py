@@ -130,7 +130,6 @@ def test_mla_form_rope_part_matters(torch_npu):
     ({"block_size": 256}, RuntimeError, r"block_size=256; the MLA form takes \[16, 128\]"),
     ({"block_table": None}, RuntimeError, "needs page attention"),
     ({"softmax_lse_flag": True}, RuntimeError, "softmax_lse_flag"),
-    ({"input_layout": "TND"}, NotImplementedError, "TND"),
     ({"dequant_scale1": torch.zeros(1)}, NotImplementedError, "dequant_scale1"),
     ({"actual_seq_lengths_kv": [1, 200]}, RuntimeError, "exceeds actual_seq_lengths_kv"),
 ])
@@ -148,7 +147,7 @@ def test_mla_form_rejects_bad_shapes(torch_npu):
     with pytest.raises(RuntimeError, match="query D=256"):
         torch_npu.npu_fused_infer_attention_score(**case.kwargs(
             query=torch.zeros(1, 1, 32, 256, dtype=torch.float16)))
-    with pytest.raises(NotImplementedError, match="query D 128"):
+    with pytest.raises(RuntimeError, match="query D 128 with rope takes input_layout"):
         torch_npu.npu_fused_infer_attention_score(**case.kwargs(
             query=torch.zeros(1, 1, 32, 128, dtype=torch.float16)))
     with pytest.raises(RuntimeError, match="D, which is 64"):
@@ -160,3 +159,16 @@ def test_mla_form_rejects_bad_shapes(torch_npu):
     with pytest.raises(RuntimeError, match="query_rope has dtype"):
         torch_npu.npu_fused_infer_attention_score(**case.kwargs(
             query_rope=case.query_rope.to(torch.bfloat16)))
+
+
+def test_mla_form_tnd_equals_bsnd(torch_npu):
+    """The same batches packed along T (cumulative query lengths, per-batch key lengths)
+    give the BSND result row for row."""
+    case = Case(torch_npu, [2, 3], [9, 200], 32, torch.float16, seed=5)
+    bsnd, _ = torch_npu.npu_fused_infer_attention_score(**case.kwargs())
+    query = torch.cat([case.query[0, :2], case.query[1, :3]])
+    query_rope = torch.cat([case.query_rope[0, :2], case.query_rope[1, :3]])
+    tnd, _ = torch_npu.npu_fused_infer_attention_score(**case.kwargs(
+        query=query, query_rope=query_rope, input_layout="TND", actual_seq_lengths=[2, 5]))
+    torch.testing.assert_close(tnd, torch.cat([bsnd[0, :2], bsnd[1, :3]]), atol=1e-3,
+                               rtol=1e-3)

@@ -271,9 +271,8 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
       ``H = num_key_value_heads * D`` (at most 65535), ``actual_seq_lengths_kv`` required;
     - ``input_layout`` ``"BSND"`` (query ``[B, Q_S, N, D]``) or ``"BSH"`` (``[B, Q_S,
       N * D]``); ``query``, ``key``, ``value`` float16 or bfloat16 of one dtype, D a
-      multiple of 16 up to 512, N up to 256. The TND layouts are not modelled: the page
-      limits them to MLA head shapes (D 192, or 512/128 with rope) and, without page
-      attention, to bfloat16;
+      multiple of 16 up to 512, N up to 256. The TND layouts (``"TND"``, ``"TND_NTD"``,
+      ``"NTD_TND"``) are modelled in ``torch_npu._ops_attention_tnd`` (see there);
     - ``num_heads`` = N; ``num_key_value_heads`` dividing it (0: equal), ratio at most 64;
     - ``actual_seq_lengths``: per batch (non-cumulative for these layouts), one value or
       at least B, each at most Q_S; ignored when Q_S = 1 as the page says. Rows of a batch
@@ -296,6 +295,9 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     ``NotImplementedError``; so do int8 keys and values.
     """
     given = locals()
+    if input_layout in ("TND", "TND_NTD", "NTD_TND"):
+        from torch_npu._ops_attention_tnd import tnd_attention
+        return tnd_attention(given)
     if query_rope is not None or key_rope is not None:
         return _mla_page_attention(given)
     for name in _UNMODELLED_FIA_ARGUMENTS:
@@ -322,10 +324,6 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         raise RuntimeError(f"query ({query.dtype}), key ({key.dtype}) and value ({value.dtype}) "
                            "must share one dtype in the modelled (unquantized) form.")
 
-    if input_layout in ("TND", "TND_NTD", "NTD_TND"):
-        raise NotImplementedError(
-            f"input_layout={input_layout!r} is not modelled: the page restricts the TND "
-            "layouts to MLA head shapes; use 'BSND', 'BSH' or 'BNSD'.")
     if input_layout not in ("BSND", "BSH", "BNSD"):
         raise NotImplementedError(f"input_layout={input_layout!r} is not modelled; the "
                                   "reference models 'BSND', 'BSH' and 'BNSD'.")
@@ -584,8 +582,8 @@ def _mla_page_attention(given: dict):
     - no softmax LSE, quantization, prefix, padding or pse arguments.
 
     ``attention_out = softmax(scale * (query @ key^T + query_rope @ key_rope^T) + mask) @
-    value``, the shape of ``query``. The TND layouts and query D 128 (rope without page
-    attention) raise ``NotImplementedError``.
+    value``, the shape of ``query``. The TND layouts are ``torch_npu._ops_attention_tnd``'s;
+    query D 128 with rope belongs to them and raises here.
     """
     query, key, value = given["query"], given["key"], given["value"]
     query_rope, key_rope = given["query_rope"], given["key_rope"]
@@ -616,10 +614,7 @@ def _mla_page_attention(given: dict):
                                "the page requires query_rope like query and key_rope like key, "
                                "all of one dtype here.")
 
-    layout = given["input_layout"]
-    if layout in ("TND", "TND_NTD", "NTD_TND"):
-        raise NotImplementedError(f"input_layout={layout!r} in the MLA form is not modelled; "
-                                  "use 'BSND' or 'BSH'.")
+    layout = given["input_layout"]  # the TND layouts go to torch_npu._ops_attention_tnd
     if layout not in ("BSND", "BSH"):
         raise NotImplementedError(f"input_layout={layout!r} is not modelled; the reference "
                                   "models 'BSND' and 'BSH'.")
@@ -648,8 +643,8 @@ def _mla_page_attention(given: dict):
         head_dim, rope_dim = query.shape[2] // heads, query_rope.shape[2] // heads
         q_lead, rope_lead = query.shape[:2], query_rope.shape[:2]
     if head_dim == 128:
-        raise NotImplementedError("query D 128 with rope (the TND form without page "
-                                  "attention) is not modelled; the reference models D 512.")
+        raise RuntimeError("query D 128 with rope takes input_layout 'TND' or 'NTD_TND' "
+                           f"(the page), not {layout!r}.")
     if head_dim != _MLA_HEAD_DIM:
         raise RuntimeError(f"query D={head_dim}; with query_rope the page takes D 512 (or 128).")
     if rope_dim != _MLA_ROPE_DIM or rope_lead != q_lead:
