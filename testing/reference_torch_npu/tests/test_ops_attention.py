@@ -251,9 +251,11 @@ def test_well_formed_call_succeeds(torch_npu):
     ({"input_layout": "TND"}, RuntimeError, "with input_layout='TND' it must be 3-D"),
     ({"input_layout": "BNSD"}, NotImplementedError, "'BNSD' is not modelled"),
     ({"block_table": None}, RuntimeError, "without block_table"),
-    ({"sparse_mode": 4}, NotImplementedError, "sparse_mode=4"),
+    ({"sparse_mode": 4, "pre_tokens": -3, "next_tokens": 1}, RuntimeError,
+     "band they span is empty"),
     ({"sparse_mode": 7}, RuntimeError, "allows 0 to 4"),
-    ({"sparse_mode": 0}, NotImplementedError, "full atten_mask"),
+    ({"sparse_mode": 0, "atten_mask": torch.zeros(2, 64, dtype=torch.bool)}, RuntimeError,
+     "KV_S=128"),
     ({"atten_mask": None}, RuntimeError, "needs the compressed"),
     ({"atten_mask": CAUSAL_MASK[:1024, :1024]}, RuntimeError, "compressed"),
     ({"atten_mask": ~CAUSAL_MASK}, RuntimeError, "not the compressed causal mask"),
@@ -275,9 +277,28 @@ def test_fused_attention_refuses_what_it_does_not_model(torch_npu, overrides, er
         _call(torch_npu, **overrides)
 
 
-def test_a_full_mask_with_page_attention_is_not_modelled(torch_npu):
-    with pytest.raises(NotImplementedError, match="full atten_mask with page attention"):
-        _call(torch_npu, query=torch.zeros(1, 1, 2, 16, dtype=torch.float16))
+def test_a_full_mask_with_page_attention_hides_logical_positions(torch_npu):
+    """The page allows a full mask with page attention when its KV_S covers the longest
+    batch's blocks; its columns are each batch's key positions, wherever the blocks lie."""
+    gen = torch.Generator().manual_seed(24)
+    heads, dim, block_size = 2, 16, 128
+    kv_lens = [100, 140]
+    keys = [torch.randn(n, heads, dim, generator=gen).half() for n in kv_lens]
+    cache, table = _paged(keys, block_size, 4, gen)
+    query = torch.randn(2, 3, heads, dim, generator=gen).half()
+    mask = torch.rand(2, 1, 3, 256, generator=gen) < 0.5
+    mask[..., 0] = False
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        query, cache, cache, atten_mask=mask, actual_seq_lengths_kv=kv_lens, block_table=table,
+        block_size=block_size, num_heads=heads, input_layout="BSND", sparse_mode=1)
+    for b, kv_len in enumerate(kv_lens):
+        want, _ = _masked_attention(query[b], keys[b], keys[b], 1.0, ~mask[b, 0, :, :kv_len])
+        torch.testing.assert_close(out[b].float(), want, atol=2e-3, rtol=2e-3)
+    with pytest.raises(RuntimeError, match="KV_S=256"):
+        torch_npu.npu_fused_infer_attention_score(
+            query, cache, cache, atten_mask=mask[..., :200], actual_seq_lengths_kv=kv_lens,
+            block_table=table, block_size=block_size, num_heads=heads, input_layout="BSND",
+            sparse_mode=1)
 
 
 # --- dense key/value, BNSD, user masks ------------------------------------------------------
@@ -398,8 +419,10 @@ def test_rows_with_no_key_need_the_row_invalid_correction(torch_npu):
 
 @pytest.mark.parametrize(("overrides", "error", "match"), [
     ({"sparse_mode": 1}, RuntimeError, "needs the full atten_mask"),
-    ({"pre_tokens": 4, "atten_mask": torch.zeros(2, 3, dtype=torch.bool)}, NotImplementedError,
-     "pre_tokens"),
+    ({"pre_tokens": -2, "next_tokens": 1, "atten_mask": torch.zeros(2, 3, dtype=torch.bool)},
+     RuntimeError, r"pre_tokens=-2 and next_tokens=1 with sparse_mode=0"),
+    ({"sparse_mode": 4, "atten_mask": torch.zeros(2, 3, dtype=torch.bool)}, RuntimeError,
+     "sparse_mode=4 it must be the compressed"),
     ({"atten_mask": torch.zeros(2, 3)}, RuntimeError, "bool, int8 and uint8"),
     ({"atten_mask": torch.zeros(2, 2, dtype=torch.bool)}, RuntimeError,
      r"with B=1, Q_S=2, KV_S=3"),
@@ -417,3 +440,78 @@ def test_dense_attention_refuses_what_the_page_rules_out(torch_npu, overrides, e
                   input_layout="BSND") | overrides
     with pytest.raises(error, match=match):
         torch_npu.npu_fused_infer_attention_score(**kwargs)
+
+
+# --- bands: sparse_mode 4, and pre_tokens / next_tokens with sparse_mode 0 -------------------
+
+
+def _band(q_len, kv_len, pre, nxt, right_down):
+    """allowed[i, j] for a band written out cell by cell."""
+    allowed = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    for i in range(q_len):
+        diagonal = i + (kv_len - q_len if right_down else 0)
+        for j in range(kv_len):
+            allowed[i, j] = diagonal - pre <= j <= diagonal + nxt
+    return allowed
+
+
+@pytest.mark.parametrize(("pre", "nxt"), [(2, 0), (1, 1), (4, -1), (-1, 2), (0, 0)])
+def test_band_mode_counts_from_the_bottom_right(torch_npu, pre, nxt):
+    """sparse_mode 4: the band around each batch's right-down diagonal (its actual lengths),
+    with the compressed mask; negative values shift the band."""
+    gen = torch.Generator().manual_seed(25)
+    q_lens, kv_lens = [4, 3], [7, 5]
+    q = torch.randn(2, 4, 2, 16, generator=gen).half()
+    k = torch.randn(2, 7, 2, 16, generator=gen).half()
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, k, num_heads=2, input_layout="BSND", atten_mask=CAUSAL_MASK, sparse_mode=4,
+        pre_tokens=pre, next_tokens=nxt, actual_seq_lengths=q_lens,
+        actual_seq_lengths_kv=kv_lens, inner_precise=2)
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        allowed = _band(q_len, kv_len, pre, nxt, right_down=True)
+        want, _ = _masked_attention(q[b, :q_len], k[b, :kv_len], k[b, :kv_len], 1.0, allowed)
+        torch.testing.assert_close(out[b, :q_len].float(), want.nan_to_num(0.0), atol=2e-3,
+                                   rtol=2e-3)
+
+
+@pytest.mark.parametrize(("pre", "nxt"), [(1, 0), (0, 2), (3, -1)])
+def test_default_mask_band_counts_from_the_top_left(torch_npu, pre, nxt):
+    """sparse_mode 0 with a full mask and pre_tokens / next_tokens: the mask and the band
+    around the top-left diagonal both apply."""
+    gen = torch.Generator().manual_seed(26)
+    q = torch.randn(1, 4, 2, 16, generator=gen).half()
+    k = torch.randn(1, 6, 2, 16, generator=gen).half()
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    mask[:, 5] = True
+    mask[2, 0] = True
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, k, num_heads=2, input_layout="BSND", atten_mask=mask, sparse_mode=0,
+        pre_tokens=pre, next_tokens=nxt, inner_precise=2)
+    allowed = _band(4, 6, pre, nxt, right_down=False) & ~mask
+    want, _ = _masked_attention(q[0], k[0], k[0], 1.0, allowed)
+    torch.testing.assert_close(out[0].float(), want.nan_to_num(0.0), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize(("sparse_mode", "mask"), [
+    (0, None), (1, torch.zeros(3, 5, dtype=torch.bool)), (2, CAUSAL_MASK), (3, CAUSAL_MASK)])
+def test_pre_and_next_tokens_are_ignored_where_the_page_says(torch_npu, sparse_mode, mask):
+    gen = torch.Generator().manual_seed(27)
+    q = torch.randn(1, 3, 2, 16, generator=gen).half()
+    k = torch.randn(1, 5, 2, 16, generator=gen).half()
+    kwargs = dict(num_heads=2, input_layout="BSND", atten_mask=mask, sparse_mode=sparse_mode)
+    plain, _ = torch_npu.npu_fused_infer_attention_score(q, k, k, **kwargs)
+    banded, _ = torch_npu.npu_fused_infer_attention_score(q, k, k, pre_tokens=0,
+                                                          next_tokens=0, **kwargs)
+    assert torch.equal(plain, banded)
+
+
+def test_a_band_at_one_query_token_has_no_effect(torch_npu):
+    gen = torch.Generator().manual_seed(28)
+    q = torch.randn(1, 1, 2, 16, generator=gen).half()
+    k = torch.randn(1, 5, 2, 16, generator=gen).half()
+    plain, _ = torch_npu.npu_fused_infer_attention_score(q, k, k, num_heads=2,
+                                                         input_layout="BSND")
+    banded, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, k, num_heads=2, input_layout="BSND", sparse_mode=4, atten_mask=None,
+        pre_tokens=0, next_tokens=0)
+    assert torch.equal(plain, banded)

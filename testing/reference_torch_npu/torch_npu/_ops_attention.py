@@ -278,11 +278,21 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
       at least B, each at most Q_S; ignored when Q_S = 1 as the page says. Rows of a batch
       past its actual length are padding: the page leaves them open, the reference
       returns zeros there;
-    - ``sparse_mode`` 0 with no ``atten_mask`` (no masking), or 3 (rightDownCausal: query
-      row i of a batch with q query and k key tokens sees keys j <= i + k - q) with the
-      compressed 2048 x 2048 mask (1 strictly above the diagonal). When Q_S = 1 the page
-      makes ``sparse_mode`` ineffective and the query sees all its keys; a mask there is
-      not modelled. ``pre_tokens``/``next_tokens`` are ignored for these modes;
+    - ``sparse_mode`` 0 with no ``atten_mask`` (no masking, ``pre_tokens`` /
+      ``next_tokens`` ignored) or with the full mask (True / 1: not computed) in the page's
+      shapes, its S dims possibly padded up, and then a band of ``pre_tokens`` keys before
+      and ``next_tokens`` after the diagonal counted from the top-left corner (row i sees
+      keys i - pre_tokens .. i + next_tokens) when they are not their defaults; 1 (the
+      full mask required; pre/next ignored); 2 (leftUpCausal: row i sees keys j <= i) and
+      3 (rightDownCausal: j <= i + k - q) with the compressed 2048 x 2048 mask (pre/next
+      ignored); 4 (band with the compressed mask: keys from ``i + k - q - pre_tokens`` to
+      ``i + k - q + next_tokens``, counted from the bottom-right corner, CANN's
+      sparseMode introduction); a band must not be empty (``pre_tokens + next_tokens >=
+      0``). With page attention a full mask's KV_S is at least the longest batch's blocks
+      times ``block_size`` and its columns are the batch's logical key positions. When
+      Q_S = 1 the page makes ``sparse_mode`` and the band ineffective: the query sees all its
+      keys, less what a decode mask ``(B, KV_S)`` / ``(B, 1, KV_S)`` / ``(B, 1, 1, KV_S)``
+      hides;
     - ``inner_precise`` 0-3 (precision and row-invalid switches: one float32 result here;
       rows left with no key to attend raise instead);
     - ``softmax_lse_flag``: the log-sum-exp of the scaled, masked scores, float32 ``(B, N,
@@ -362,10 +372,13 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         if input_layout == "BNSD":
             raise NotImplementedError("page attention with input_layout='BNSD' is not "
                                       "modelled; use 'BSND' or 'BSH'.")
-        dense, kv_s = None, None
+        dense = None
         kv_lengths = _check_paged_key_value(key, value, block_table, block_size,
                                             actual_seq_lengths_kv, batch, q_s, kv_heads,
                                             head_dim)
+        # A full mask with page attention spans the blocks of the longest batch (the page:
+        # KV_S >= maxBlockNumPerSeq * blockSize); its columns are the logical positions.
+        kv_s = -(-max(kv_lengths, default=0) // block_size) * block_size
     if actual_seq_lengths is None or q_s == 1:
         q_lengths = [q_s] * batch
     else:
@@ -374,27 +387,31 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     mode = _require_int("sparse_mode", sparse_mode)
     if mode not in (0, 1, 2, 3, 4):
         raise RuntimeError(f"sparse_mode={mode}; the page allows 0 to 4.")
-    full_mask = causal = None  # a [B, Q_S, KV_S] bool mask (True: not computed) / an offset
-    if q_s == 1:
-        if atten_mask is not None:  # the page: sparse_mode has no effect when Q_S is 1
+    # a [B, Q_S, KV_S] bool mask (True: not computed); a causal mode; a band (pre, next)
+    full_mask = causal = band = None
+    pre = _require_int("pre_tokens", pre_tokens)
+    nxt = _require_int("next_tokens", next_tokens)
+    if q_s == 1:  # the page: sparse_mode, pre_tokens and next_tokens have no effect at Q_S 1
+        if atten_mask is not None:
             full_mask = _full_atten_mask(atten_mask, batch, 1, kv_s, decode=True)
     elif mode in (0, 1):
-        if (pre_tokens, next_tokens) != (_INT_MAX, _INT_MAX):
-            raise NotImplementedError("pre_tokens/next_tokens other than their defaults are "
-                                      "not modelled.")
         if atten_mask is not None:
             full_mask = _full_atten_mask(atten_mask, batch, q_s, kv_s, decode=False)
+            if mode == 0 and (pre, nxt) != (_INT_MAX, _INT_MAX):
+                _check_band(pre, nxt, mode)
+                band = ("leftUp", pre, nxt)   # defaultMask: counted from the top-left corner
         elif mode == 1:
             raise RuntimeError("sparse_mode=1 (allMask) needs the full atten_mask (Q_S x KV_S).")
-    elif mode in (2, 3):
+    elif mode in (2, 3, 4):
         if atten_mask is None:
             raise RuntimeError(f"sparse_mode={mode} needs the compressed (2048, 2048) "
                                "atten_mask.")
         _check_compressed_causal_mask(atten_mask, mode)
-        causal = mode
-    else:
-        raise NotImplementedError("sparse_mode=4 (band, from pre_tokens/next_tokens) is not "
-                                  "modelled.")
+        if mode == 4:
+            _check_band(pre, nxt, mode)
+            band = ("rightDown", pre, nxt)        # band: counted from the bottom-right corner
+        else:
+            causal = mode
     if _require_int("inner_precise", inner_precise) not in (0, 1, 2, 3):
         raise RuntimeError(f"inner_precise={inner_precise}; the page allows 0 to 3.")
     if q_s == 1 and inner_precise not in (0, 1):
@@ -434,6 +451,12 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
             cols = torch.arange(kv_len).unsqueeze(0)
             # leftUpCausal: row i sees keys j <= i; rightDownCausal: j <= i + kv - q.
             allowed = cols <= rows + (0 if causal == 2 else kv_len - q_len)
+        if band is not None:
+            rows = torch.arange(q_len).unsqueeze(1)
+            cols = torch.arange(kv_len).unsqueeze(0)
+            origin, before, after = band
+            diagonal = rows + (kv_len - q_len if origin == "rightDown" else 0)
+            allowed = allowed & (cols >= diagonal - before) & (cols <= diagonal + after)
         if full_mask is not None:
             allowed = allowed & ~full_mask[b, :q_len, :kv_len]
         empty_rows = ~allowed.any(dim=1)
@@ -458,6 +481,15 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         attention_out = out.to(query.dtype).reshape(query.shape)
     softmax_lse = lse if softmax_lse_flag else torch.zeros(1, dtype=torch.float32)
     return attention_out, softmax_lse
+
+
+def _check_band(pre: int, nxt: int, mode: int) -> None:
+    """pre_tokens / next_tokens of a band (sparse_mode 4, or 0 with a full mask): the band
+    they span must not be empty."""
+    if pre + nxt < 0:
+        raise RuntimeError(f"pre_tokens={pre} and next_tokens={nxt} with sparse_mode={mode}: "
+                           "the band they span is empty; the page needs pre_tokens + "
+                           "next_tokens >= 0 (a negative one at most the other's size).")
 
 
 def _dense_key_value(key, value, layout: str, batch: int, kv_heads: int,
@@ -532,9 +564,6 @@ def _full_atten_mask(atten_mask, batch: int, q_s: int, kv_s: int | None,
     if atten_mask.dtype not in _MASK_DTYPES:
         raise RuntimeError(f"atten_mask has dtype {atten_mask.dtype}; the page allows bool, int8 "
                            "and uint8.")
-    if kv_s is None:
-        raise NotImplementedError("a full atten_mask with page attention is not modelled "
-                                  "(its KV_S is the caches' layout, not a tensor dim).")
     shape = tuple(atten_mask.shape)
     if decode:
         ok = (len(shape) in (2, 3, 4) and shape[0] == batch
