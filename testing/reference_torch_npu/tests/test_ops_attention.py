@@ -247,7 +247,8 @@ def test_well_formed_call_succeeds(torch_npu):
     ({"key_shared_prefix": torch.zeros(1)}, NotImplementedError,
      "key_shared_prefix is not modelled"),
     ({"query_rope": torch.zeros(1)}, RuntimeError, "must be given together"),
-    ({"antiquant_scale": torch.zeros(1)}, NotImplementedError, "antiquant_scale"),
+    ({"antiquant_scale": torch.zeros(1)}, RuntimeError, "antiquant_scale is given but key"),
+    ({"dequant_scale1": torch.zeros(1)}, NotImplementedError, "dequant_scale1 is not modelled"),
     ({"input_layout": "TND"}, RuntimeError, "with input_layout='TND' it must be 3-D"),
     ({"input_layout": "BNSD"}, NotImplementedError, "'BNSD' is not modelled"),
     ({"block_table": None}, RuntimeError, "without block_table"),
@@ -260,7 +261,9 @@ def test_well_formed_call_succeeds(torch_npu):
     ({"atten_mask": CAUSAL_MASK[:1024, :1024]}, RuntimeError, "compressed"),
     ({"atten_mask": ~CAUSAL_MASK}, RuntimeError, "not the compressed causal mask"),
     ({"query": torch.zeros(1, 2, 2, 16)}, RuntimeError, "float16 and bfloat16"),
-    ({"key": torch.zeros(2, 128, 32, dtype=torch.int8)}, NotImplementedError, "int8"),
+    ({"key": torch.zeros(2, 128, 32, dtype=torch.int8)}, RuntimeError, "must both be int8"),
+    ({"query": torch.zeros(1, 2, 2, 16, dtype=torch.int8)}, NotImplementedError,
+     "query in int8"),
     ({"query": torch.zeros(1, 2, 2, 24, dtype=torch.float16)}, RuntimeError, "multiple of 16"),
     ({"block_size": 64}, RuntimeError, "128 to 512"),
     ({"num_key_value_heads": 3}, RuntimeError, "multiple of num_key_value_heads"),
@@ -270,7 +273,6 @@ def test_well_formed_call_succeeds(torch_npu):
     ({"actual_seq_lengths": [2], "actual_seq_lengths_kv": [1]}, RuntimeError, "no key"),
     ({"block_table": torch.zeros(1, 1, dtype=torch.int64)}, RuntimeError, "int32"),
     ({"block_table": torch.full((1, 1), 5, dtype=torch.int32)}, RuntimeError, "outside"),
-    ({"antiquant_mode": 1}, NotImplementedError, "antiquant_mode=1"),
 ])
 def test_fused_attention_refuses_what_it_does_not_model(torch_npu, overrides, error, match):
     with pytest.raises(error, match=match):

@@ -166,7 +166,12 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
 
 # --- npu_fused_infer_attention_score ------------------------------------------------------
 
-# Arguments the page documents that the reference does not model, with their defaults.
+_ANTIQUANT_ARGUMENTS = ("antiquant_scale", "antiquant_offset", "key_antiquant_scale",
+                        "key_antiquant_offset", "value_antiquant_scale",
+                        "value_antiquant_offset")
+
+# Arguments the page documents that the reference does not model in every form (the
+# antiquant ones only with int8 key/value in the BSH/BSND/BNSD forms).
 _UNMODELLED_FIA_ARGUMENTS = (
     "pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
     "quant_offset2", "antiquant_scale", "antiquant_offset", "query_padding_size",
@@ -301,8 +306,9 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     With ``query_rope`` and ``key_rope`` the op takes its MLA form, modelled by
     ``_mla_page_attention`` (see there).
 
-    Every quantization, prefix, padding-size and pse argument raises
-    ``NotImplementedError``; so do int8 keys and values.
+    int8 ``key``/``value`` with the antiquant arguments are dequantised inside the op
+    (``torch_npu._ops_attention_antiquant``). Every other quantization, prefix,
+    padding-size and pse argument raises ``NotImplementedError``; so do int4 (int32) keys.
     """
     given = locals()
     if input_layout in ("TND", "TND_NTD", "NTD_TND"):
@@ -311,28 +317,33 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     if query_rope is not None or key_rope is not None:
         return _mla_page_attention(given)
     for name in _UNMODELLED_FIA_ARGUMENTS:
-        if given[name] is not None:
+        if given[name] is not None and name not in _ANTIQUANT_ARGUMENTS:
             raise NotImplementedError(
                 f"{name} is not modelled by the reference npu_fused_infer_attention_score; "
-                "it models float16/bfloat16 page attention without quantization, rope, "
-                "prefix or padding arguments.")
-    for name, default in (("antiquant_mode", 0), ("key_antiquant_mode", 0),
-                          ("value_antiquant_mode", 0)):
-        if given[name] != default:
-            raise NotImplementedError(f"{name}={given[name]!r} is not modelled (only "
-                                      f"{default}).")
+                "it models float16/bfloat16 attention (int8 key/value through the antiquant "
+                "arguments) without full quantization, pse, prefix or padding arguments.")
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         _require_tensor(name, tensor)
         _require_contiguous(name, tensor)
+        if name != "query" and tensor.dtype in (torch.int8, torch.int32):
+            if tensor.dtype == torch.int32:
+                raise NotImplementedError(f"{name} in int32 (int4 packed, the page's int4 "
+                                          "antiquant) is not modelled by the reference "
+                                          "torch_npu.")
+            continue
         if tensor.dtype == torch.int8:
             raise NotImplementedError(f"{name} in int8 (quantized attention) is not modelled "
                                       "by the reference torch_npu.")
         if tensor.dtype not in _HALF_DTYPES:
             raise RuntimeError(f"{name} has dtype {tensor.dtype}; the page allows float16 and "
                                "bfloat16 (and int8 for key/value).")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
+    quantized = key.dtype == torch.int8
+    if quantized != (value.dtype == torch.int8):
+        raise RuntimeError(f"key ({key.dtype}) and value ({value.dtype}) must both be int8 or "
+                           "both the query's dtype.")
+    if not quantized and (key.dtype != query.dtype or value.dtype != query.dtype):
         raise RuntimeError(f"query ({query.dtype}), key ({key.dtype}) and value ({value.dtype}) "
-                           "must share one dtype in the modelled (unquantized) form.")
+                           "must share one dtype when key and value are not int8.")
 
     if input_layout not in ("BSND", "BSH", "BNSD"):
         raise NotImplementedError(f"input_layout={input_layout!r} is not modelled; the "
@@ -359,6 +370,9 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         head_dim = query.shape[2] // heads
     batch = query.shape[0]
     q_s = query.shape[2] if input_layout == "BNSD" else query.shape[1]
+    if quantized and q_s > 1 and head_dim % 32:
+        raise RuntimeError(f"head dim D={head_dim} with int8 key/value and Q_S > 1; the page "
+                           "needs D 32-aligned there.")
     if head_dim % 16 or head_dim > 512:
         raise RuntimeError(f"head dim D={head_dim}; with float16/bfloat16 inputs it must be a "
                            "multiple of 16 and at most 512.")
@@ -375,7 +389,7 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         dense = None
         kv_lengths = _check_paged_key_value(key, value, block_table, block_size,
                                             actual_seq_lengths_kv, batch, q_s, kv_heads,
-                                            head_dim)
+                                            head_dim, quantized)
         # A full mask with page attention spans the blocks of the longest batch (the page:
         # KV_S >= maxBlockNumPerSeq * blockSize); its columns are the logical positions.
         kv_s = -(-max(kv_lengths, default=0) // block_size) * block_size
@@ -412,6 +426,10 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
             band = ("rightDown", pre, nxt)        # band: counted from the bottom-right corner
         else:
             causal = mode
+    from torch_npu._ops_attention_antiquant import kv_dequantizers
+    dequant = kv_dequantizers(given, input_layout, batch, kv_heads, head_dim, q_s,
+                              kv_s,
+                              dense is None, quantized)
     if _require_int("inner_precise", inner_precise) not in (0, 1, 2, 3):
         raise RuntimeError(f"inner_precise={inner_precise}; the page allows 0 to 3.")
     if q_s == 1 and inner_precise not in (0, 1):
@@ -436,11 +454,14 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         if kv_len == 0:
             continue  # the page: empty keys give zero output
         if dense is not None:
-            keys, values = dense[0][b, :kv_len].float(), dense[1][b, :kv_len].float()
+            keys, values = dense[0][b, :kv_len], dense[1][b, :kv_len]
         else:
             block = block_size
-            keys = _paged_sequence(key, block_table[b], kv_len, block, kv_heads).float()
-            values = _paged_sequence(value, block_table[b], kv_len, block, kv_heads).float()
+            keys = _paged_sequence(key, block_table[b], kv_len, block, kv_heads)
+            values = _paged_sequence(value, block_table[b], kv_len, block, kv_heads)
+        if dequant is not None:   # int8 key/value: (x + offset) * scale
+            keys, values = dequant[0](b, keys), dequant[1](b, values)
+        keys, values = keys.float(), values.float()
         keys = keys.repeat_interleave(group, dim=1)        # [kv_len, N, D]
         values = values.repeat_interleave(group, dim=1)
         q = q_all[b, :q_len]                               # [q_len, N, D]
@@ -521,14 +542,17 @@ def _dense_key_value(key, value, layout: str, batch: int, kv_heads: int,
 
 
 def _check_paged_key_value(key, value, block_table, block_size, actual_seq_lengths_kv,
-                           batch: int, q_s: int, kv_heads: int, head_dim: int) -> list[int]:
+                           batch: int, q_s: int, kv_heads: int, head_dim: int,
+                           quantized: bool = False) -> list[int]:
     """Check page attention's caches and table; each batch's key/value length."""
     _check_block_table(block_table, batch)
     block = _require_int("block_size", block_size)
     if q_s == 1:
-        if block <= 0 or block % 16:
-            raise RuntimeError(f"block_size={block}; with Q_S = 1 and float16/bfloat16 "
-                               "caches it must be a positive multiple of 16.")
+        align = 32 if quantized else 16
+        if block <= 0 or block % align:
+            raise RuntimeError(f"block_size={block}; with Q_S = 1 and "
+                               f"{'int8' if quantized else 'float16/bfloat16'} caches it must "
+                               f"be a positive multiple of {align}.")
     elif block not in (128, 256, 384, 512):
         raise RuntimeError(f"block_size={block}; page attention with Q_S > 1 needs 128 to 512 "
                            "in steps of 128.")
