@@ -331,7 +331,9 @@ def test_grouped_matmul_multi_x_refuses_what_the_page_rules_out(torch_npu, xs, w
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"group_list": [2, 4]}, NotImplementedError, "Tensor group_list"),
+    ({"group_list": [2, 6], "per_token_scale": None, "scale": None, "group_type": None},
+     NotImplementedError,
+     "int8 inputs or weights with a List"),
     ({"group_list": _groups([4, 2])}, RuntimeError, "non-decreasing"),
     ({"group_list": _groups([2, 5])}, RuntimeError, "covers 5 rows"),
     ({"group_list": _groups([6])}, RuntimeError, "one per weight group"),
@@ -356,6 +358,87 @@ def test_grouped_matmul_refuses(torch_npu, kwargs, error, match):
     x, weight = args.pop("x"), args.pop("weight")
     with pytest.raises(error, match=match):
         torch_npu.npu_grouped_matmul(x, weight, **args)
+
+
+# --- npu_grouped_matmul with a List[int] group_list (the .List overload) ----------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("split_item", [2, 3])
+def test_grouped_matmul_int_list_single_multi_single(torch_npu, dtype, split_item):
+    """One x, one weight per group, the cumulative List[int] cutting x's rows (an empty
+    group too); the same result as the Tensor group_list."""
+    torch.manual_seed(12)
+    bias_dtype = torch.float16 if dtype == torch.float16 else torch.float32
+    x = torch.randn(7, 16, dtype=dtype)
+    ws = [torch.randn(16, 8, dtype=dtype) for _ in range(3)]
+    bs = [torch.randn(8, dtype=bias_dtype) for _ in range(3)]
+    (out,) = torch_npu.npu_grouped_matmul([x], ws, bias=bs, group_list=[2, 2, 7],
+                                          split_item=split_item)
+    expected = torch.cat([_gmm_reference(x[:2], ws[0], bs[0]),
+                          _gmm_reference(x[7:7], ws[1], bs[1]),
+                          _gmm_reference(x[2:], ws[2], bs[2])])
+    assert out.shape == (7, 8) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=2e-2)
+    (tensor_form,) = torch_npu.npu_grouped_matmul([x], ws, bias=bs, group_type=0,
+                                                  group_list=torch.tensor([2, 2, 7]),
+                                                  split_item=split_item)
+    assert torch.equal(out, tensor_form)
+
+
+def test_grouped_matmul_int_list_single_multi_multi(torch_npu):
+    """One x, split_item 0: one output per group, of the group's rows and its weight's N."""
+    torch.manual_seed(13)
+    x = torch.randn(5, 16, dtype=torch.float16)
+    ws = [torch.randn(16, 4, dtype=torch.float16), torch.randn(16, 6, dtype=torch.float16)]
+    outs = torch_npu.npu_grouped_matmul([x], ws, group_list=[3, 5], split_item=0)
+    assert [o.shape for o in outs] == [(3, 4), (2, 6)]
+    torch.testing.assert_close(outs[0].float(), _gmm_reference(x[:3], ws[0]), atol=3e-2,
+                               rtol=2e-2)
+    torch.testing.assert_close(outs[1].float(), _gmm_reference(x[3:], ws[1]), atol=3e-2,
+                               rtol=2e-2)
+
+
+@pytest.mark.parametrize("split_item", [0, 2])
+def test_grouped_matmul_int_list_with_several_x(torch_npu, split_item):
+    """Several x: the list's steps must be the x tensors' rows (multi-multi-multi with
+    split_item 0/1, multi-multi-single with 2/3)."""
+    torch.manual_seed(14)
+    xs = [torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16)]
+    ws = [torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(8, 4, dtype=torch.bfloat16)]
+    outs = torch_npu.npu_grouped_matmul(xs, ws, group_list=[2, 5], split_item=split_item)
+    expected = [_gmm_reference(x, w) for x, w in zip(xs, ws)]
+    if split_item == 2:
+        expected = [torch.cat(expected)]
+    assert len(outs) == len(expected)
+    for out, want in zip(outs, expected):
+        torch.testing.assert_close(out.float(), want, atol=5e-2, rtol=2e-2)
+    with pytest.raises(RuntimeError, match="does not describe the x tensors' rows"):
+        torch_npu.npu_grouped_matmul(xs, ws, group_list=[3, 5], split_item=split_item)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"group_list": [6]}, RuntimeError, "must not have length 1"),
+    ({"group_list": [4, 2]}, RuntimeError, "non-negative and non-decreasing"),
+    ({"group_list": [-1, 6]}, RuntimeError, "non-negative and non-decreasing"),
+    ({"group_list": [2, 5]}, RuntimeError, "must end at x's M = 6"),
+    ({"group_list": [2, 4, 6]}, RuntimeError, "3 groups but weight holds 2"),
+    ({"group_list": [2, True]}, TypeError, "list of ints"),
+    ({"group_type": 0}, RuntimeError, "group_type=0 with a List"),
+    ({"group_list_type": 1}, RuntimeError, "group_list_type=1 with a List"),
+    ({"act_type": 1}, RuntimeError, "act_type=1 with a List"),
+    ({"per_token_scale": [torch.ones(6)]}, RuntimeError, "per_token_scale with a List"),
+    ({"scale": [torch.ones(8, dtype=torch.int64)] * 2}, NotImplementedError,
+     "scale .int64, int8 output. with a List"),
+    ({"scale": [torch.ones(8)] * 2}, RuntimeError, "must be int64"),
+    ({"tuning_config": [4]}, TypeError, "takes no tuning_config"),
+])
+def test_grouped_matmul_int_list_refuses_what_the_page_rules_out(torch_npu, kwargs, error,
+                                                                 match):
+    args = {"group_list": [2, 6], "split_item": 2} | kwargs
+    with pytest.raises(error, match=match):
+        torch_npu.npu_grouped_matmul([torch.zeros(6, 16, dtype=torch.float16)],
+                                     [torch.zeros(16, 8, dtype=torch.float16)] * 2, **args)
 
 
 # --- npu_trans_quant_param ----------------------------------------------------------------

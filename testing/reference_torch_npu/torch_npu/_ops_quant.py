@@ -553,6 +553,89 @@ def _grouped_matmul_multi_x(xs, ws, biases, scale, per_token_scale, group_list, 
     return [torch.cat([product(i) for i in range(len(xs))])]
 
 
+def _grouped_matmul_int_list(xs, ws, biases, scale, per_token_scale, group_list,
+                             split_item, group_type, group_list_type, act_type,
+                             output_dtype) -> list:
+    """``npu_grouped_matmul`` with a ``List[int]`` ``group_list`` (op-plugin's
+    ``npu_grouped_matmul.List`` overload), the page's A2/A3 rows for it, not quantized
+    (float16 / bfloat16; the page's int8 row has int64 scales and int8 output, and its
+    antiquant rows are not modelled either):
+
+    - ``group_list``: the cumulative row counts (non-negative, non-decreasing; the page says
+      "递增" and forbids a length of 1); ``group_type``, ``group_list_type`` and
+      ``act_type`` only their defaults (the page: None), ``per_token_scale`` None;
+    - multi-multi-multi (several x, ``split_item`` 0/1): 2-D x tensors whose rows the
+      list's steps describe (x of more dims takes no ``group_list``); one output per group;
+    - single-multi-single (one x, ``split_item`` 2/3): the list ends at x's M; the groups'
+      rows of x times their weights, stacked in one tensor;
+    - single-multi-multi (one x, ``split_item`` 0/1): the same, one output per group;
+    - multi-multi-single (several x, ``split_item`` 2/3): an optional list describing the
+      x tensors' rows; one stacked output.
+    """
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in group_list):
+        raise TypeError(f"group_list must be a list of ints, got {group_list!r}.")
+    if len(group_list) == 1:
+        raise RuntimeError(f"group_list={group_list}: a List[int] group_list must not have "
+                           "length 1 (the page).")
+    if any(v < 0 for v in group_list) or any(
+            b < a for a, b in zip(group_list, group_list[1:], strict=False)):
+        raise RuntimeError(f"group_list={group_list}: a List[int] group_list must be "
+                           "non-negative and non-decreasing (cumulative row counts).")
+    for name, value, allowed in (("group_type", group_type, (None,)),
+                                 ("group_list_type", group_list_type, (None, 0)),
+                                 ("act_type", act_type, (None, 0))):
+        if value not in allowed:
+            raise RuntimeError(f"{name}={value!r} with a List[int] group_list; the page allows "
+                               "only None (the default) there.")
+    if _as_list("per_token_scale", per_token_scale):
+        raise RuntimeError("per_token_scale with a List[int] group_list; the page allows only "
+                           "None there.")
+    if _as_list("scale", scale):
+        if any(t.dtype != torch.int64 for t in _as_list("scale", scale)):
+            raise RuntimeError("scale with a List[int] group_list must be int64 (the page's "
+                               "per-channel int8-output row).")
+        raise NotImplementedError("torch_npu.npu_grouped_matmul: scale (int64, int8 output) "
+                                  "with a List[int] group_list is not modelled by the "
+                                  "reference torch_npu.")
+    dtype = xs[0].dtype
+    if dtype in (torch.int8, torch.int32) or any(w.dtype == torch.int8 for w in ws):
+        raise NotImplementedError("torch_npu.npu_grouped_matmul: int8 inputs or weights with a "
+                                  "List[int] group_list are not modelled by the reference "
+                                  "torch_npu.")
+    _require_int("split_item", split_item, {0, 1, 2, 3})
+    steps = [b - a for a, b in zip([0, *group_list], group_list, strict=False)]
+    if len(xs) > 1:
+        if split_item in (0, 1) and group_list:
+            if any(xt.dim() != 2 for xt in xs):
+                raise RuntimeError("with x tensors of more than 2 dims the page requires "
+                                   "group_list to be empty.")
+            if steps != [xt.shape[0] for xt in xs]:
+                raise RuntimeError(f"group_list {group_list} does not describe the x tensors' "
+                                   f"rows {[xt.shape[0] for xt in xs]}.")
+        tensor_list = (torch.tensor(group_list, dtype=torch.int64)
+                       if group_list and split_item in (2, 3) else None)
+        return _grouped_matmul_multi_x(xs, ws, biases, None, None, tensor_list, split_item,
+                                       -1 if split_item in (0, 1) else 0, 0, 0, output_dtype)
+    xt = xs[0]
+    if not group_list:
+        raise RuntimeError("one x tensor with a List[int] group_list needs a non-empty "
+                           "group_list (the page).")
+    if xt.dim() != 2:
+        raise RuntimeError(f"x[0] must be 2-D (M, K) here, got {xt.dim()} dims.")
+    if len(steps) != len(ws):
+        raise RuntimeError(f"group_list has {len(steps)} groups but weight holds {len(ws)} "
+                           "tensors.")
+    if group_list[-1] != xt.shape[0]:
+        raise RuntimeError(f"group_list ends at {group_list[-1]}; with one x tensor it must end "
+                           f"at x's M = {xt.shape[0]}.")
+    pieces = list(torch.split(xt, steps))
+    if split_item in (2, 3):
+        return _grouped_matmul_multi_x(pieces, ws, biases, None, None, None, split_item, 0, 0,
+                                       0, output_dtype)
+    return _grouped_matmul_multi_x([p.contiguous() for p in pieces], ws, biases, None, None,
+                                   None, split_item, -1, 0, 0, output_dtype)
+
+
 def _grouped_matmul_along_k(xt, ws, group_list, list_type, bias, scale, per_token_scale,
                             output_dtype) -> torch.Tensor:
     """``npu_grouped_matmul`` with ``group_type=2``, the page's A2/A3 row for grouping along
@@ -647,7 +730,10 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     see ``_grouped_matmul_along_k``. Several x tensors (``group_type`` -1 multi-multi-multi,
     ``group_type`` 0 multi-multi-single), not quantized: see ``_grouped_matmul_multi_x``.
 
-    Not modelled (``NotImplementedError``): a list ``group_list``, quantized multi-x forms,
+    A ``List[int]`` ``group_list`` (op-plugin's ``npu_grouped_matmul.List`` overload, which
+    torch_npu's Python binding merges with this one): see ``_grouped_matmul_int_list``.
+
+    Not modelled (``NotImplementedError``): quantized multi-x forms,
     ``group_list_type=2``, ``split_item`` 0/1 with one x tensor, antiquant (fake-quant)
     weights, int4 inputs, int64 scales / int8 output, ``act_type`` other than 0,
     ``tuning_config``. ``offset`` and the ``activation_*`` arguments must be None.
@@ -668,6 +754,13 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     if antiquant_scale is not None or antiquant_offset is not None:
         raise NotImplementedError("antiquant (fake-quantized weight) grouped matmuls are not "
                                   "modelled by the reference torch_npu.")
+    if isinstance(group_list, (list, tuple)):
+        if tuning_config is not None:
+            raise TypeError("npu_grouped_matmul with a List[int] group_list (the .List "
+                            "overload) takes no tuning_config.")
+        return _grouped_matmul_int_list(xs, ws, _as_list("bias", bias), scale, per_token_scale,
+                                        list(group_list), split_item, group_type,
+                                        group_list_type, act_type, output_dtype)
     if tuning_config is not None:
         raise NotImplementedError("tuning_config is not modelled by the reference torch_npu.")
     if group_type == -1 or len(xs) > 1:
