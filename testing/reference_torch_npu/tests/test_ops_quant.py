@@ -338,7 +338,7 @@ def test_grouped_matmul_multi_x_refuses_what_the_page_rules_out(torch_npu, xs, w
     ({"group_list": _groups([2, 5])}, RuntimeError, "covers 5 rows"),
     ({"group_list": _groups([6])}, RuntimeError, "one per weight group"),
     ({"split_item": 0}, NotImplementedError, "split_item"),
-    ({"group_type": -1}, NotImplementedError, "group_type=-1 and several x tensors with quant"),
+    ({"group_type": -1}, RuntimeError, r"weight\[0\] must be 2-D"),
     ({"group_type": 1}, RuntimeError, "group_type=1"),
     ({"group_type": 2}, RuntimeError, "group_type -1 and 0 only"),
     ({"act_type": 5}, NotImplementedError, "act_type"),
@@ -358,6 +358,70 @@ def test_grouped_matmul_refuses(torch_npu, kwargs, error, match):
     x, weight = args.pop("x"), args.pop("weight")
     with pytest.raises(error, match=match):
         torch_npu.npu_grouped_matmul(x, weight, **args)
+
+
+# --- npu_grouped_matmul, quantized multi-x forms ---------------------------------------------
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_grouped_matmul_int8_multi_multi_multi(torch_npu, out_dtype, per_token):
+    """group_type=-1 with int8 x and weights: y_i = (x_i @ w_i + bias_i) * scale_i *
+    per_token_scale_i, written out with integer matmuls here."""
+    gen = torch.Generator().manual_seed(15)
+    scale_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    xs = [torch.randint(-128, 128, (3, 16), generator=gen, dtype=torch.int8),
+          torch.randint(-128, 128, (2, 32), generator=gen, dtype=torch.int8)]
+    ws = [torch.randint(-128, 128, (16, 4), generator=gen, dtype=torch.int8),
+          torch.randint(-128, 128, (32, 6), generator=gen, dtype=torch.int8)]
+    bs = [torch.randint(-500, 500, (4,), generator=gen, dtype=torch.int32),
+          torch.randint(-500, 500, (6,), generator=gen, dtype=torch.int32)]
+    scales = [(torch.rand(4, generator=gen) * 1e-3).to(scale_dtype),
+              (torch.rand(6, generator=gen) * 1e-3).to(scale_dtype)]
+    tokens = [torch.rand(3, generator=gen) + 0.5, torch.rand(2, generator=gen) + 0.5]
+    outs = torch_npu.npu_grouped_matmul(
+        xs, ws, bias=bs, scale=scales, per_token_scale=tokens if per_token else None,
+        group_type=-1, split_item=0, output_dtype=out_dtype)
+    for i, out in enumerate(outs):
+        acc = xs[i].long() @ ws[i].long() + bs[i].long()
+        want = acc.double() * scales[i].double()
+        if per_token:
+            want = want * tokens[i].double()[:, None]
+        assert out.dtype == out_dtype and out.shape == want.shape
+        torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_grouped_matmul_int8_multi_multi_single_stacks_the_groups(torch_npu):
+    gen = torch.Generator().manual_seed(16)
+    xs = [torch.randint(-128, 128, (m, 16), generator=gen, dtype=torch.int8) for m in (2, 3)]
+    ws = [torch.randint(-128, 128, (16, 8), generator=gen, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.rand(8, generator=gen) * 1e-3 for _ in range(2)]
+    (out,) = torch_npu.npu_grouped_matmul(xs, ws, scale=scales, group_type=0, split_item=2,
+                                          group_list=torch.tensor([2, 5]),
+                                          output_dtype=torch.float16)
+    want = torch.cat([(x.long() @ w.long()).double() * s.double()
+                      for x, w, s in zip(xs, ws, scales)])
+    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"scale": None}, NotImplementedError, "without scale"),
+    ({"output_dtype": None}, NotImplementedError, "output_dtype=None with int8"),
+    ({"output_dtype": torch.float32}, RuntimeError, "not supported with int8"),
+    ({"scale": [torch.ones(8, dtype=torch.int64)] * 2}, NotImplementedError, "int64 scales"),
+    ({"scale": [torch.ones(8)] * 2}, RuntimeError, r"scale\[0\] is torch.float32"),
+    ({"scale": [torch.ones(8, dtype=torch.bfloat16)]}, RuntimeError, "one per weight"),
+    ({"per_token_scale": [torch.ones(2)]}, RuntimeError, "one per x tensor"),
+    ({"per_token_scale": [torch.ones(3)] * 2}, RuntimeError, r"per_token_scale\[0\]"),
+    ({"bias": [torch.ones(8)] * 2}, RuntimeError, "torch.int32 tensor per weight"),
+    ({"act_type": 5}, NotImplementedError, "act_type"),
+])
+def test_grouped_matmul_int8_multi_x_refuses(torch_npu, kwargs, error, match):
+    args = {"scale": [torch.ones(8, dtype=torch.bfloat16)] * 2, "group_type": -1,
+            "split_item": 0, "output_dtype": torch.bfloat16} | kwargs
+    with pytest.raises(error, match=match):
+        torch_npu.npu_grouped_matmul([torch.zeros(2, 16, dtype=torch.int8)] * 2,
+                                     [torch.zeros(16, 8, dtype=torch.int8)] * 2, **args)
 
 
 # --- npu_grouped_matmul with a List[int] group_list (the .List overload) ----------------------

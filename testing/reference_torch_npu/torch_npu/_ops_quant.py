@@ -463,8 +463,9 @@ def _group_bounds(group_list: torch.Tensor, list_type: int, rows: int,
 def _grouped_matmul_multi_x(xs, ws, biases, scale, per_token_scale, group_list, split_item,
                             group_type, group_list_type, act_type, output_dtype) -> list:
     """``npu_grouped_matmul`` with one x tensor per group, the page's A2/A3 rows for a
-    Tensor (or no) ``group_list``, not quantized (float16 / bfloat16, ``bias`` float16 /
-    float32 per group, ``y_i = x_i @ weight_i + bias_i``):
+    Tensor (or no) ``group_list``: float16 / bfloat16 (``bias`` float16 / float32 per group,
+    ``y_i = x_i @ weight_i + bias_i``) or int8 with per-group scales
+    (``_multi_x_int8_products``):
 
     - ``group_type=-1``, multi-multi-multi: ``split_item`` 0 or 1, ``group_list`` None;
       the x tensors share a rank of 2 to 6 dims, each weight is 2-D ``(K_i, N_i)``; one
@@ -483,21 +484,24 @@ def _grouped_matmul_multi_x(xs, ws, biases, scale, per_token_scale, group_list, 
         raise RuntimeError(f"weight holds {len(ws)} tensors; the list is at most "
                            f"{_GMM_MAX_LIST} long.")
     dtype = xs[0].dtype
-    if dtype == torch.int8 or dtype == torch.int32:
-        raise NotImplementedError("group_type=-1 and several x tensors with quantized (int8 / "
-                                  "int4) inputs are not modelled.")
-    if dtype not in _HALF:
-        raise RuntimeError(f"x has dtype {dtype}; the multi-tensor forms take float16 or "
-                           "bfloat16 (float32 only with single x, weight and y).")
-    if _as_list("scale", scale) or _as_list("per_token_scale", per_token_scale):
-        raise RuntimeError("scale and per_token_scale belong to int8 inputs.")
+    if dtype == torch.int32:
+        raise NotImplementedError("group_type=-1 and several x tensors with int4 (int32-packed) "
+                                  "inputs are not modelled.")
+    quantized = dtype == torch.int8
+    scales, tokens = _as_list("scale", scale), _as_list("per_token_scale", per_token_scale)
+    if not quantized:
+        if dtype not in _HALF:
+            raise RuntimeError(f"x has dtype {dtype}; the multi-tensor forms take float16, "
+                               "bfloat16 or int8 (float32 only with single x, weight and y).")
+        if scales or tokens:
+            raise RuntimeError("scale and per_token_scale belong to int8 inputs.")
     if act_type:
         raise NotImplementedError(f"act_type={act_type} (a fused activation) is not "
                                   "modelled.")
     if group_type not in (-1, 0):
         raise RuntimeError(f"group_type={group_type!r}: several x tensors take -1 "
                            "(multi-multi-multi) or 0 (multi-multi-single).")
-    if output_dtype not in (None, dtype):
+    if not quantized and output_dtype not in (None, dtype):
         raise RuntimeError(f"output_dtype must be None or x's {dtype}, got {output_dtype}.")
     for i, (xt, w) in enumerate(zip(xs, ws, strict=True)):
         if xt.dtype != dtype or w.dtype != dtype:
@@ -515,15 +519,20 @@ def _grouped_matmul_multi_x(xs, ws, biases, scale, per_token_scale, group_list, 
                                f"65536.")
     if len({w.is_contiguous() for w in ws}) > 1:
         raise RuntimeError("the weights must all be transposed or none of them.")
-    bias_dtype = torch.float16 if dtype == torch.float16 else torch.float32
+    if quantized:
+        bias_dtype = torch.int32
+        product = _multi_x_int8_products(xs, ws, biases, scales, tokens, output_dtype)
+    else:
+        bias_dtype = torch.float16 if dtype == torch.float16 else torch.float32
     if biases and (len(biases) != len(ws) or any(
             b.dtype != bias_dtype or tuple(b.shape) != (w.shape[1],)
             for b, w in zip(biases, ws, strict=False))):
         raise RuntimeError(f"bias must hold one (N_i,) {bias_dtype} tensor per weight.")
 
-    def product(i: int) -> torch.Tensor:
-        out = xs[i].float() @ ws[i].float()
-        return (out + biases[i].float() if biases else out).to(dtype)
+    if not quantized:
+        def product(i: int) -> torch.Tensor:
+            out = xs[i].float() @ ws[i].float()
+            return (out + biases[i].float() if biases else out).to(dtype)
 
     if group_type == -1:
         if split_item not in (0, 1):
@@ -551,6 +560,53 @@ def _grouped_matmul_multi_x(xs, ws, biases, scale, per_token_scale, group_list, 
             raise RuntimeError(f"group_list {group_list.tolist()} does not describe the x "
                                f"tensors' rows {[xt.shape[0] for xt in xs]}.")
     return [torch.cat([product(i) for i in range(len(xs))])]
+
+
+def _multi_x_int8_products(xs, ws, biases, scales, tokens, output_dtype):
+    """The quantized multi-x forms (the page's per-channel / per-token rows for a Tensor or
+    no ``group_list``, ``group_type`` -1 and 0): int8 x and weights, ``scale`` one ``(N_i,)``
+    tensor per group, bfloat16 for bfloat16 output or float32 for float16 output;
+    ``per_token_scale`` None or one float32 ``(M_i,)`` tensor per x (2-D x); ``bias`` None
+    or int32 per group: ``y_i = (x_i @ w_i + bias_i) * scale_i * per_token_scale_i``.
+    Returns ``product(i)``."""
+    if not scales:
+        raise NotImplementedError("several int8 x tensors without scale (int32 / int8 "
+                                  "results) are not modelled.")
+    if output_dtype not in (torch.bfloat16, torch.float16):
+        if output_dtype in (None, torch.int8, torch.int32):
+            raise NotImplementedError(f"output_dtype={output_dtype} with int8 inputs is not "
+                                      "modelled; use bfloat16 or float16.")
+        raise RuntimeError(f"output_dtype {output_dtype} is not supported with int8 inputs.")
+    scale_dtype = torch.bfloat16 if output_dtype == torch.bfloat16 else torch.float32
+    if len(scales) != len(ws):
+        raise RuntimeError(f"scale holds {len(scales)} tensors; it takes one per weight "
+                           f"({len(ws)}).")
+    for i, (t, w) in enumerate(zip(scales, ws, strict=True)):
+        if t.dtype == torch.int64:
+            raise NotImplementedError("int64 scales (int8 output) are not modelled.")
+        if t.dtype != scale_dtype or tuple(t.shape) != (w.shape[1],):
+            raise RuntimeError(f"scale[{i}] is {t.dtype} {tuple(t.shape)}; with output_dtype="
+                               f"{output_dtype} it must be {scale_dtype} ({w.shape[1]},).")
+    if tokens:
+        if len(tokens) != len(xs):
+            raise RuntimeError(f"per_token_scale holds {len(tokens)} tensors; it takes one per "
+                               f"x tensor ({len(xs)}).")
+        for i, (t, xt) in enumerate(zip(tokens, xs, strict=True)):
+            if xt.dim() != 2 or t.dtype != torch.float32 or tuple(t.shape) != (xt.shape[0],):
+                raise RuntimeError(f"per_token_scale[{i}] is {t.dtype} {tuple(t.shape)}; it "
+                                   f"must be float32 (M_i,) for a 2-D x[{i}] of shape "
+                                   f"{tuple(xt.shape)}.")
+
+    def product(i: int) -> torch.Tensor:
+        acc = (xs[i].to(torch.int32) @ ws[i].to(torch.int32)).double()
+        if biases:
+            acc = acc + biases[i].double()
+        rows = acc.float() * scales[i].float()
+        if tokens:
+            rows = rows * tokens[i].reshape(-1, 1)
+        return rows.to(output_dtype)
+
+    return product
 
 
 def _grouped_matmul_int_list(xs, ws, biases, scale, per_token_scale, group_list,
@@ -733,7 +789,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     A ``List[int]`` ``group_list`` (op-plugin's ``npu_grouped_matmul.List`` overload, which
     torch_npu's Python binding merges with this one): see ``_grouped_matmul_int_list``.
 
-    Not modelled (``NotImplementedError``): quantized multi-x forms,
+    Not modelled (``NotImplementedError``):
     ``group_list_type=2``, ``split_item`` 0/1 with one x tensor, antiquant (fake-quant)
     weights, int4 inputs, int64 scales / int8 output, ``act_type`` other than 0,
     ``tuning_config``. ``offset`` and the ``activation_*`` arguments must be None.
