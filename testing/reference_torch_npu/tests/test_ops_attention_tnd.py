@@ -362,6 +362,11 @@ def _gqa_call(torch_npu, **overrides):
 def test_well_formed_gqa_call_succeeds(torch_npu):
     out, _ = _gqa_call(torch_npu)
     assert out.shape == (3, 2, 16)
+    # A row with no key: zeros under the row-invalid correction.
+    ones = torch.ones(2, 128, 32, dtype=torch.float16)
+    out, _ = _gqa_call(torch_npu, key=ones, value=ones, actual_seq_lengths_kv=[4, 1],
+                       inner_precise=2)
+    assert not out[1].any() and out[2].float().eq(1).all() and out[0].float().eq(1).all()
 
 
 @pytest.mark.parametrize(("overrides", "error", "match"), [
@@ -376,6 +381,9 @@ def test_well_formed_gqa_call_succeeds(torch_npu):
      "same shape"),
     ({"num_key_value_heads": 3}, RuntimeError, "multiple of num_key_value_heads"),
     ({"block_table": torch.tensor([[0], [5]], dtype=torch.int32)}, RuntimeError, "outside"),
+    ({"actual_seq_lengths_kv": [4, 1]}, RuntimeError, "no key to attend"),
+    ({"actual_seq_lengths_kv": [4, 1], "inner_precise": 2, "softmax_lse_flag": True},
+     NotImplementedError, "softmax_lse_flag=True with a row that has no key"),
 ])
 def test_gqa_tnd_refuses_what_it_does_not_take(torch_npu, overrides, error, match):
     with pytest.raises(error, match=match):

@@ -405,10 +405,10 @@ def test_grouped_matmul_int8_multi_multi_single_stacks_the_groups(torch_npu):
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"scale": None}, NotImplementedError, "without scale"),
+    ({"scale": None}, NotImplementedError, "scale=None with several int8"),
     ({"output_dtype": None}, NotImplementedError, "output_dtype=None with int8"),
     ({"output_dtype": torch.float32}, RuntimeError, "not supported with int8"),
-    ({"scale": [torch.ones(8, dtype=torch.int64)] * 2}, NotImplementedError, "int64 scales"),
+    ({"scale": [torch.ones(8, dtype=torch.int64)] * 2}, NotImplementedError, "scale in int64"),
     ({"scale": [torch.ones(8)] * 2}, RuntimeError, r"scale\[0\] is torch.float32"),
     ({"scale": [torch.ones(8, dtype=torch.bfloat16)]}, RuntimeError, "one per weight"),
     ({"per_token_scale": [torch.ones(2)]}, RuntimeError, "one per x tensor"),

@@ -327,9 +327,9 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         _require_contiguous(name, tensor)
         if name != "query" and tensor.dtype in (torch.int8, torch.int32):
             if tensor.dtype == torch.int32:
-                raise NotImplementedError(f"{name} in int32 (int4 packed, the page's int4 "
-                                          "antiquant) is not modelled by the reference "
-                                          "torch_npu.")
+                raise NotImplementedError(f"torch_npu.npu_fused_infer_attention_score: {name} "
+                                          "in int32 (int4 packed, the page's int4 antiquant) "
+                                          "is not modelled by the reference torch_npu.")
             continue
         if tensor.dtype == torch.int8:
             raise NotImplementedError(f"{name} in int8 (quantized attention) is not modelled "

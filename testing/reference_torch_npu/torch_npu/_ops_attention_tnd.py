@@ -265,8 +265,9 @@ def tnd_attention(given: dict):
                                    "sparse_mode=3); the page leaves them open unless "
                                    "inner_precise is 2 or 3.")
             if lse_flag:
-                raise NotImplementedError("softmax_lse of a row with no key to attend is not "
-                                          "modelled.")
+                raise NotImplementedError("torch_npu.npu_fused_infer_attention_score: "
+                                          "softmax_lse_flag=True with a row that has no key "
+                                          "to attend is not modelled.")
         scores = scores.masked_fill(~allowed, -math.inf)
         row_lse = torch.logsumexp(scores, dim=-1)                       # [N, q]
         probs = torch.exp(scores - row_lse.unsqueeze(-1)).nan_to_num(0.0)

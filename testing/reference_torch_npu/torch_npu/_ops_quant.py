@@ -485,8 +485,8 @@ def _grouped_matmul_multi_x(xs, ws, biases, scale, per_token_scale, group_list, 
                            f"{_GMM_MAX_LIST} long.")
     dtype = xs[0].dtype
     if dtype == torch.int32:
-        raise NotImplementedError("group_type=-1 and several x tensors with int4 (int32-packed) "
-                                  "inputs are not modelled.")
+        raise NotImplementedError("torch_npu.npu_grouped_matmul: x in int32 (int4-packed) with "
+                                  "group_type=-1 or several x tensors is not modelled.")
     quantized = dtype == torch.int8
     scales, tokens = _as_list("scale", scale), _as_list("per_token_scale", per_token_scale)
     if not quantized:
@@ -570,12 +570,13 @@ def _multi_x_int8_products(xs, ws, biases, scales, tokens, output_dtype):
     or int32 per group: ``y_i = (x_i @ w_i + bias_i) * scale_i * per_token_scale_i``.
     Returns ``product(i)``."""
     if not scales:
-        raise NotImplementedError("several int8 x tensors without scale (int32 / int8 "
-                                  "results) are not modelled.")
+        raise NotImplementedError("torch_npu.npu_grouped_matmul: scale=None with several int8 "
+                                  "x tensors (int32 / int8 results) is not modelled.")
     if output_dtype not in (torch.bfloat16, torch.float16):
         if output_dtype in (None, torch.int8, torch.int32):
-            raise NotImplementedError(f"output_dtype={output_dtype} with int8 inputs is not "
-                                      "modelled; use bfloat16 or float16.")
+            raise NotImplementedError(f"torch_npu.npu_grouped_matmul: output_dtype="
+                                      f"{output_dtype} with int8 inputs is not modelled; use "
+                                      "bfloat16 or float16.")
         raise RuntimeError(f"output_dtype {output_dtype} is not supported with int8 inputs.")
     scale_dtype = torch.bfloat16 if output_dtype == torch.bfloat16 else torch.float32
     if len(scales) != len(ws):
@@ -583,7 +584,8 @@ def _multi_x_int8_products(xs, ws, biases, scales, tokens, output_dtype):
                            f"({len(ws)}).")
     for i, (t, w) in enumerate(zip(scales, ws, strict=True)):
         if t.dtype == torch.int64:
-            raise NotImplementedError("int64 scales (int8 output) are not modelled.")
+            raise NotImplementedError("torch_npu.npu_grouped_matmul: scale in int64 (int8 "
+                                      "output) is not modelled.")
         if t.dtype != scale_dtype or tuple(t.shape) != (w.shape[1],):
             raise RuntimeError(f"scale[{i}] is {t.dtype} {tuple(t.shape)}; with output_dtype="
                                f"{output_dtype} it must be {scale_dtype} ({w.shape[1]},).")
