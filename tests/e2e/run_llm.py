@@ -52,6 +52,13 @@ def punica_wrappers(runner) -> list[str] | None:
     return sorted({type(w).__name__ for w in mapping.values()}) if mapping else None
 
 
+def ray_node_ip() -> str | None:
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray.util.get_node_ip_address() if ray and ray.is_initialized() else None
+
+
 def probe_worker(worker) -> dict:
     """Runs inside each worker process: which classes did vLLM actually use?"""
     worker = getattr(worker, "worker", worker)  # collective_rpc hands us the wrapper
@@ -90,6 +97,8 @@ def probe_worker(worker) -> dict:
         "graph_capture_sizes": list(getattr(runner.compilation_config,
                                             "cudagraph_capture_sizes", None) or []),
         "kv_block_size": runner.cache_config.block_size,
+        # Under the Ray executor: the IP of the Ray node this worker runs on.
+        "ray_node_ip": ray_node_ip(),
         # weight_nz_mode: the parameters whose storage torch_npu reports as FRACTAL_NZ.
         "nz_weights": nz_weights(runner.get_model()),
         "layer_classes": sorted({type(m).__name__ for m in modules

@@ -6,6 +6,7 @@ import logging
 import os
 
 from ascend_core import envs
+from ascend_core.distributed.ray_checks import require_ray
 from ascend_core.registry import CONFIG_HOOKS
 from ascend_core.suggest import did_you_mean
 
@@ -40,6 +41,17 @@ class AscendPlatformMixin:
     def get_punica_wrapper(cls) -> str:
         """Multi-LoRA batches on the plugin's LoRA kernels (``ascend_kernels.lora``)."""
         return PUNICA_WRAPPER
+
+    @classmethod
+    def use_ascend_ray_executor(cls, parallel_config) -> None:
+        """``distributed_executor_backend="ray"`` runs vLLM's Ray executor with the plugin's
+        checks (``ascend_core.distributed.ray_executor``); Ray asked for but not installed
+        stops here with one line."""
+        require_ray(parallel_config)
+        if parallel_config.distributed_executor_backend == "ray":
+            from ascend_core.distributed.ray_executor import AscendRayExecutor
+
+            parallel_config.distributed_executor_backend = AscendRayExecutor
 
     @classmethod
     def run_config_hooks(cls, vllm_config) -> None:

@@ -24,6 +24,9 @@ HOST_WORKER = "ascend_core.worker.host_worker.AscendHostWorker"
 
 class AscendHostPlatform(AscendPlatformMixin, CpuPlatform):
     ascend_target = "host"
+    # Ray places a host worker on one of a node's CPUs (``ray start --num-cpus N``); vLLM's
+    # CPU platform has no key and refuses Ray. See ascend_core.distributed.ray_executor.
+    ray_device_key: str = "CPU"
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
@@ -34,6 +37,7 @@ class AscendHostPlatform(AscendPlatformMixin, CpuPlatform):
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = HOST_WORKER
+        cls.use_ascend_ray_executor(parallel_config)
         use_reference_mla_for_float32(vllm_config)
         super().check_and_update_config(vllm_config)
 

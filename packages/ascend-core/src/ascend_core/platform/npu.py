@@ -244,6 +244,7 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = NPU_WORKER
+        cls.use_ascend_ray_executor(parallel_config)
         # NPUModelRunner subclasses vLLM's V1 runner; the engine's scheduler must agree
         # (VllmConfig.use_v2_model_runner reads this variable).
         os.environ.setdefault(V2_MODEL_RUNNER_VAR, "0")
