@@ -11,16 +11,18 @@ Modelled forms:
 - ``npu_scatter_pa_kv_cache`` with ``cache_mode="Norm"``: 3-D ``key``/``value`` of
   ``[tokens, num_head, head_size]`` scattered by ``slot_mapping`` into ND caches of
   ``[num_blocks, block_size, num_head, head_size]``.
-- ``npu_fused_infer_attention_score`` with page attention (``block_table`` and
-  ``block_size``; the caches as ``(num_blocks, block_size, H)``) for ``input_layout``
-  ``"BSND"`` or ``"BSH"``; per-batch ``actual_seq_lengths`` / ``actual_seq_lengths_kv``;
-  GQA through ``num_key_value_heads``; ``sparse_mode`` 0 without a mask (Q_S = 1, or
-  no masking) or 3 (rightDownCausal) with the compressed 2048 x 2048 causal mask;
-  optionally the softmax log-sum-exp.
-- the same op's MLA form (``query_rope`` and ``key_rope`` given): query D 512 with a rope
-  part of 64, one latent KV head read as both key and value from a paged
+- ``npu_fused_infer_attention_score`` in ``"BSND"``, ``"BSH"`` and ``"BNSD"``: page
+  attention (``block_table`` and ``block_size``; the caches as ``(num_blocks, block_size,
+  H)``) or dense key/value; per-batch ``actual_seq_lengths`` / ``actual_seq_lengths_kv``;
+  GQA through ``num_key_value_heads``; ``sparse_mode`` 0-4 (full masks, causal modes with
+  the compressed 2048 x 2048 mask, bands from ``pre_tokens`` / ``next_tokens``);
+  optionally the softmax log-sum-exp; int8 key/value through the antiquant arguments
+  (``torch_npu._ops_attention_antiquant``). The TND layouts are in
+  ``torch_npu._ops_attention_tnd``.
+- the same op's MLA form (``query_rope`` and ``key_rope``) in BSND / BSH: query D 512 with
+  a rope part of 64, one latent KV head read as both key and value from a paged
   ``(num_blocks, block_size, 512)`` cache beside a ``(num_blocks, block_size, 64)`` rope
-  cache, 32/64/128 query heads, 1 to 16 query tokens per batch, ``"BSND"`` or ``"BSH"``.
+  cache, 32/64/128 query heads, 1 to 16 query tokens per batch.
 """
 
 from __future__ import annotations
@@ -270,12 +272,14 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     arguments are in the order of op-plugin's schema (the page lists ``block_table`` and
     ``softmax_lse_flag`` elsewhere; keyword-only, so calls are the same). Modelled:
 
-    - page attention only: ``block_table`` (int32, ``[B, >= max blocks per batch]``) and
-      ``block_size`` (a multiple of 16 when Q_S = 1; 128 to 512 in steps of 128 when
-      Q_S > 1), ``key``/``value`` the caches as ``(num_blocks, block_size, H)`` with
-      ``H = num_key_value_heads * D`` (at most 65535), ``actual_seq_lengths_kv`` required;
-    - ``input_layout`` ``"BSND"`` (query ``[B, Q_S, N, D]``) or ``"BSH"`` (``[B, Q_S,
-      N * D]``); ``query``, ``key``, ``value`` float16 or bfloat16 of one dtype, D a
+    - page attention: ``block_table`` (int32, ``[B, >= max blocks per batch]``) and
+      ``block_size`` (a multiple of 16 when Q_S = 1, of 32 for int8 caches; 128 to 512 in
+      steps of 128 when Q_S > 1), ``key``/``value`` the caches as ``(num_blocks,
+      block_size, H)`` with ``H = num_key_value_heads * D`` (at most 65535),
+      ``actual_seq_lengths_kv`` required; or dense ``key``/``value`` in the query's layout;
+    - ``input_layout`` ``"BSND"`` (query ``[B, Q_S, N, D]``), ``"BSH"`` (``[B, Q_S,
+      N * D]``) or ``"BNSD"`` (dense only); ``query``, ``key``, ``value`` float16 or
+      bfloat16 of one dtype (or int8 key/value with antiquant scales), D a
       multiple of 16 up to 512, N up to 256. The TND layouts (``"TND"``, ``"TND_NTD"``,
       ``"NTD_TND"``) are modelled in ``torch_npu._ops_attention_tnd`` (see there);
     - ``num_heads`` = N; ``num_key_value_heads`` dividing it (0: equal), ratio at most 64;
