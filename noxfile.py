@@ -199,8 +199,9 @@ def e2e(session: nox.Session) -> None:
     _share_vllm(session)
     # Editable, with the leaf packages' test extras (their vLLM-facing tests run here);
     # ninja: the npu-target tests import the reference torch_npu, which compiles its device.
-    # ascend-plugin's pd-host: the prefill/decode tests' Mooncake transfer engine.
-    editable = [f"-e{PACKAGES / name}[{'test' if name in SIBLINGS else 'pd-host'}]"
+    # ascend-plugin's pd-host: the prefill/decode tests' Mooncake transfer engine; ray: the
+    # multi-node tests' Ray.
+    editable = [f"-e{PACKAGES / name}[{'test' if name in SIBLINGS else 'pd-host,ray'}]"
                 for name in ALL]
     session.install("pytest", "pytest-xdist", "ninja", *editable)
     # Several test files serve the tiny Medusa heads: train them once, on every core, before

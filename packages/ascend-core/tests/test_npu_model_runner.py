@@ -163,6 +163,13 @@ def test_too_few_npus_for_the_parallel_layout_is_a_clear_error(reference_npu, mo
                        r"\) needs 4 NPUs .* only 2 NPU\(s\) are visible"):
         check_npus_for_layout(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2),
                               local_rank=0)
+    # Under the Ray executor a node needs only the ranks Ray placed on it (their NPU ids).
+    across_nodes = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    across_nodes.assigned_physical_gpu_ids = [0, 1]
+    assert check_npus_for_layout(across_nodes, local_rank=1) == 2
+    across_nodes.assigned_physical_gpu_ids = [0, 1, 2]
+    with pytest.raises(ValueError, match=r"needs 3 NPUs on this node"):
+        check_npus_for_layout(across_nodes, local_rank=0)
 
 
 # --- the torch fallback of vLLM's slot-mapping kernel ----------------------------------------

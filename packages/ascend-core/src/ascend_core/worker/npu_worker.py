@@ -116,7 +116,10 @@ def _no_cuda_kernel_warmup(worker, **kwargs) -> None:
 def check_npus_for_layout(parallel_config, local_rank: int) -> int:
     """The number of NPUs this process sees; ValueError when the layout needs more."""
     visible = torch.npu.device_count()
-    needed = parallel_config.local_world_size
+    # Under the Ray executor a node holds the ranks Ray placed there (their NPU ids); else
+    # every rank of the layout is on this node.
+    assigned = getattr(parallel_config, "assigned_physical_gpu_ids", None)
+    needed = len(assigned) if assigned else parallel_config.local_world_size
     if needed > visible or local_rank >= visible:
         layout = (f"tensor_parallel_size={parallel_config.tensor_parallel_size} x "
                   f"pipeline_parallel_size={parallel_config.pipeline_parallel_size}")
