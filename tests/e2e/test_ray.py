@@ -27,7 +27,7 @@ from test_npu_target import LLM, NPU
 
 from ascend_plugin.serving import complete, free_port, running_server
 
-from vllm_runs import PROMPTS, run_vllm, start_failure
+from vllm_runs import ALL_CPUS, PROMPTS, run_vllm, start_failure
 
 pytest.importorskip("ray", reason="the e2e session installs ascend-plugin[ray]")
 
@@ -37,8 +37,11 @@ HOST = {"VLLM_ASCEND_TARGET": "host"}
 
 
 def ray_cmd(*args: str, env: dict) -> str:
+    # A node's processes (raylet, workers, engines) may use every core, whatever core this
+    # test process is pinned to (conftest.py).
     proc = subprocess.run([RAY, *args, "--disable-usage-stats"], env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120,
+                          preexec_fn=lambda: os.sched_setaffinity(0, ALL_CPUS))
     assert proc.returncode == 0, f"ray {args[0]} failed:\n{proc.stdout[-2000:]}{proc.stderr}"
     return proc.stdout + proc.stderr
 
