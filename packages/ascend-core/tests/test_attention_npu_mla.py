@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,7 +29,11 @@ from ascend_core.attention.npu_mla import (
     AscendMLADecodeMetadata,
     AscendMLAImpl,
     AscendMLAMetadataBuilder,
+    AscendMLAPrefillMetadata,
+    dense_head_count,
+    dense_prefill_supported,
     padded_head_count,
+    plan_dense_prefill,
     plan_rows,
 )
 
@@ -72,9 +77,11 @@ def decode_metadata(query_lens, seq_lens, block_table) -> AscendMLADecodeMetadat
 
 
 class Batch:
-    def __init__(self, query_lens, context_lens, heads, dtype, block_size, seed=0):
+    def __init__(self, query_lens, context_lens, heads, dtype, block_size, seed=0,
+                 nope=NOPE, v_dim=V_DIM):
         gen = torch.Generator().manual_seed(seed)
         self.query_lens, self.context_lens = query_lens, context_lens
+        self.nope, self.v_dim = nope, v_dim
         self.seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
         self.heads, self.dtype, self.block_size = heads, dtype, block_size
 
@@ -83,10 +90,10 @@ class Batch:
 
         self.latent = [randn(n, LATENT) for n in self.seq_lens]
         self.k_pe = [randn(n, ROPE) for n in self.seq_lens]
-        self.w_uk = randn(heads, NOPE, LATENT, std=LATENT ** -0.5)
-        self.w_uv = randn(heads, LATENT, V_DIM, std=LATENT ** -0.5)
+        self.w_uk = randn(heads, nope, LATENT, std=LATENT ** -0.5)
+        self.w_uv = randn(heads, LATENT, v_dim, std=LATENT ** -0.5)
         tokens = sum(query_lens)
-        self.q_nope = randn(tokens, heads, NOPE)
+        self.q_nope = randn(tokens, heads, nope)
         self.q_pe = randn(tokens, heads, ROPE)
         counts = [math.ceil(n / block_size) for n in self.seq_lens]
         self.num_blocks = sum(counts) + 3
@@ -158,6 +165,128 @@ def test_forward_matches_plain_mla(torch_npu, dtype, query_lens, context_lens, h
                                rtol=TOL[dtype])
 
 
+# --- prefills as dense MHA (the fused op's dense TND form) ------------------------------------
+
+
+def dense_impl(batch: Batch) -> AscendMLAImpl:
+    """An impl whose ``kv_b_proj`` up-projects latent rows into each head's ``[k_nope, v]``
+    with the batch's ``W_UK`` / ``W_UV`` (in the batch's dtype, as the model's layer)."""
+    weight = torch.cat([batch.w_uk, batch.w_uv.transpose(1, 2)], dim=1).reshape(-1, LATENT)
+    return make_impl(batch.heads, qk_nope_head_dim=batch.nope, qk_head_dim=batch.nope + ROPE,
+                     v_head_dim=batch.v_dim, kv_b_proj=lambda x: (x @ weight.T, None))
+
+
+def prefill_metadata(query_lens, seq_lens, block_table, block_size) -> AscendMLAPrefillMetadata:
+    """The backend builder's dense-prefill half (what ``build`` adds for vLLM's prefills)."""
+    builder = AscendMLAMetadataBuilder.__new__(AscendMLAMetadataBuilder)
+    builder.device = torch.device("cpu")
+    builder._causal_mask = None
+    builder.kv_cache_spec = SimpleNamespace(block_size=block_size)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    return builder._build_dense_prefill(SimpleNamespace(query_start_loc=starts), query_lens,
+                                        seq_lens, block_table)
+
+
+def run_split(impl, batch, num_decodes):
+    """vLLM's MLA forward with the batch split as its builder splits it: the first
+    ``num_decodes`` requests through ``forward_mqa`` (absorbed), the rest through
+    ``forward_mha`` (dense); returns ``[tokens, heads, v_dim]``."""
+    kv_cache = torch.full((batch.num_blocks, batch.block_size, LATENT + ROPE), float("nan"),
+                          dtype=batch.dtype)
+    latent, k_pe, slots = batch.rows("context")
+    if slots.numel():
+        impl.do_kv_cache_update(latent, k_pe, kv_cache, slots, "auto", None)
+    latent, k_pe, slots = batch.rows("new")
+    impl.do_kv_cache_update(latent, k_pe, kv_cache, slots, "auto", None)
+    split = sum(batch.query_lens[:num_decodes])
+    decode = prefill = None
+    if num_decodes:
+        decode = decode_metadata(batch.query_lens[:num_decodes], batch.seq_lens[:num_decodes],
+                                 batch.block_table[:num_decodes])
+    prefill = prefill_metadata(batch.query_lens[num_decodes:], batch.seq_lens[num_decodes:],
+                               batch.block_table[num_decodes:], batch.block_size)
+    attn_metadata = SimpleNamespace(decode=decode, prefill=prefill)
+    out = torch.empty(sum(batch.query_lens), batch.heads, batch.v_dim)
+    if num_decodes:
+        q_latent = torch.einsum("tnk,nkl->tnl", batch.q_nope[:split], batch.w_uk)
+        latent_out, _ = impl.forward_mqa((q_latent, batch.q_pe[:split]), kv_cache,
+                                         attn_metadata, None)
+        out[:split] = torch.einsum("tnl,nlv->tnv", latent_out.float(), batch.w_uv.float())
+    q = torch.cat([batch.q_nope[split:], batch.q_pe[split:]], dim=-1)
+    dense = torch.empty(q.shape[0], batch.heads * batch.v_dim, dtype=batch.dtype)
+    impl.forward_mha(q, latent[split:], k_pe[split:], kv_cache, attn_metadata, None, dense)
+    out[split:] = dense.view(-1, batch.heads, batch.v_dim).float()
+    return out
+
+
+@pytest.fixture
+def layouts(torch_npu, monkeypatch):
+    """The ``input_layout`` of every fused-attention call, in order."""
+    calls, fused = [], torch_npu.npu_fused_infer_attention_score
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs["input_layout"])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(torch_npu, "npu_fused_infer_attention_score", recording)
+    return calls
+
+
+@pytest.mark.parametrize(("query_lens", "context_lens", "heads", "dims", "block_size",
+                          "num_decodes"), [
+    ([5, 33, 130], [0, 0, 0], 2, (NOPE, V_DIM), 128, 0),      # prompts of several lengths
+    ([9, 24], [0, 0], 128, (128, 128), 128, 0),               # DeepSeek's heads, no padding
+    ([9, 20], [23, 140], 2, (NOPE, V_DIM), 16, 0),            # chunked prefill on context
+    ([1, 1, 19, 7], [30, 140, 0, 50], 40, (NOPE, V_DIM), 128, 2),  # decodes and prefills
+    ([4, 4, 12], [10, 3, 17], 4, (64, 128), 16, 2),           # verification + cached prefill
+])
+def test_dense_prefill_equals_the_absorbed_path(layouts, query_lens, context_lens, heads,
+                                                dims, block_size, num_decodes):
+    nope, v_dim = dims
+    batch = Batch(query_lens, context_lens, heads, torch.bfloat16, block_size, nope=nope,
+                  v_dim=v_dim)
+    impl = dense_impl(batch)
+    dense = run_split(impl, batch, num_decodes)
+    # One absorbed call for the decodes (if any), then one dense TND call for all prefills.
+    assert layouts == ["BSND"] * bool(num_decodes) + ["TND"]
+    absorbed, _ = run_backend(impl, batch)  # every token in the latent path
+    tol = TOL[torch.bfloat16]
+    torch.testing.assert_close(dense, absorbed, atol=tol, rtol=tol)
+    torch.testing.assert_close(dense, batch.expected(impl.scale), atol=tol, rtol=tol)
+
+
+def test_dense_prefill_plan_gathers_each_context_before_its_new_tokens():
+    block_table = torch.tensor([[7, 2, 0], [5, 0, 0], [3, 9, 4]], dtype=torch.int32)
+    cumulative_q, cumulative_kv, slots, order = plan_dense_prefill(
+        [2, 3, 1], [5, 3, 18], block_table, block_size=16)
+    assert cumulative_q == [2, 5, 6] and cumulative_kv == [5, 8, 26]
+    # Contexts: request 0 positions 0-2 (block 7), request 2 positions 0-16 (blocks 3, 9).
+    assert slots.tolist() == [7 * 16 + p for p in range(3)] + [
+        3 * 16 + p for p in range(16)] + [9 * 16]
+    context = 3 + 17
+    assert order.tolist() == [0, 1, 2, context, context + 1,             # request 0
+                              context + 2, context + 3, context + 4,      # request 1 (new)
+                              *range(3, 20), context + 5]                 # request 2
+    assert plan_dense_prefill([4, 2], [4, 2], block_table[:2], 16)[2:] == (None, None)
+
+
+def test_dense_prefill_takes_bfloat16_with_heads_up_to_128():
+    assert dense_prefill_supported(torch.bfloat16, 128, 128)
+    assert dense_prefill_supported(torch.bfloat16, 32, 32)
+    assert not dense_prefill_supported(torch.float16, 128, 128)
+    assert not dense_prefill_supported(torch.bfloat16, 192, 128)
+    assert not dense_prefill_supported(torch.bfloat16, 128, 256)
+    assert [dense_head_count(n) for n in (1, 2, 3, 40, 128)] == [2, 2, 4, 64, 128]
+
+
+def test_dense_prefill_refuses_graph_capture(torch_npu, monkeypatch):
+    batch = Batch([6], [0], 2, torch.bfloat16, 16)
+    impl = dense_impl(batch)
+    monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="capturing an MLA prefill"):
+        run_split(impl, batch, 0)
+
+
 def test_rows_cut_each_request_into_pieces_of_at_most_16():
     request, q, kv, width, token_rows = plan_rows([1, 35, 4], [11, 35, 20])
     assert request == [0, 1, 1, 1, 2]
@@ -200,7 +329,7 @@ def test_npu_platform_selects_the_mla_backend(torch_npu):
     assert resolve_obj_by_qualname(path) is AscendMLABackend
     assert AttentionBackendEnum[AscendMLABackend.get_name()].get_path() == path
     prefill = npu.AscendPlatform.get_mla_prefill_backend_cls(None)
-    with pytest.raises(NotImplementedError, match="no dense MLA prefill kernel"):
+    with pytest.raises(NotImplementedError, match="prefills run inside the Ascend MLA"):
         prefill(num_heads=2, scale=1.0, kv_lora_rank=512, qk_nope_head_dim=32,
                 qk_rope_head_dim=64, v_head_dim=32, vllm_config=None
                 ).run_prefill_new_tokens(None, None, None, False)

@@ -18,18 +18,29 @@ Under FULL decode graphs a uniform batch (decode, or MTP / speculative verificat
 group, whose host lengths are updated before every replay (``npu_graph_tasks``); padding
 tokens of a captured batch write their latent rows into vLLM's null block.
 
-One path for every batch. torch_npu's page takes 1 to 16 query tokens per batch row in the
-MLA form, so the metadata builder cuts each request's new tokens into pieces of at most 16
-and gives every piece its own row of the ``BSND`` query: the request's block-table row, its
-query length and its key length (cached tokens plus the piece's end), with ``sparse_mode=3``
-(right-down causal, the compressed 2048 x 2048 mask) whenever a row holds more than one
-token. Decode (one token a request), speculative verification (1 + k tokens), chunked
-prefill on cached context, prefix-cache hits and whole prompts are all such rows, in any mix:
-the builder declares variable-length query support with an unbounded decode threshold, so
-vLLM's common code hands every token to ``forward_mqa`` and never to its dense-MHA prefill
-(which needs a prefill kernel this target does not have; ``NPUMLAPrefillBackend`` refuses
-with a clear error if it is ever reached). Prompts therefore attend in the absorbed (latent)
-form: more arithmetic per token than the up-projected MHA form, the same result.
+Decode tokens (requests of at most the decode threshold's query tokens: 1, or 1 + k under
+MTP / speculative verification) run in the absorbed form. torch_npu's page takes 1 to 16
+query tokens per batch row in the MLA form, so the metadata builder cuts each request's new
+tokens into pieces of at most 16 and gives every piece its own row of the ``BSND`` query:
+the request's block-table row, its query length and its key length (cached tokens plus the
+piece's end), with ``sparse_mode=3`` (right-down causal, the compressed 2048 x 2048 mask)
+whenever a row holds more than one token.
+
+Prefill tokens (requests above the threshold, as vLLM's MLA builder splits them) run as
+dense MHA (``forward_mha``), as vLLM's MLA and vLLM-Ascend do: the latent rows of each
+prefill's keys (its cached context gathered from the pages, then its new tokens) are
+up-projected with ``kv_b_proj`` into per-head ``k_nope`` and ``v``; keys are ``[k_nope,
+k_pe]`` (rope shared by all heads), queries ``[q_nope, q_pe]``, and one call of
+``npu_fused_infer_attention_score`` in its dense ``TND`` form (query / key D 192, value D
+128, bfloat16) with cumulative ``actual_seq_lengths`` / ``actual_seq_lengths_kv`` and
+``sparse_mode=3`` computes every prefill: right-down causal aligns each request's new tokens
+to the end of its keys, so a chunked prefill or a prefix-cache hit (keys longer than
+queries) needs no second pass and no LSE merge. Smaller MLA heads (``qk_nope_head_dim`` or
+``v_head_dim`` below 128) are zero-padded to 128 and head counts to the next of 2, 4, ...,
+128 (zeros change no score and the padded output is dropped). The dense form takes bfloat16
+only: a float16 model (or nope / value heads above 128) keeps prompts in the absorbed form,
+the builder then declaring an unbounded decode threshold so that vLLM hands every token to
+``forward_mqa``. FULL decode graphs capture decode-only batches; prefills run eagerly.
 
 The page also limits the MLA form to 32, 64 or 128 query heads: with fewer (tensor
 parallelism, small models) the query is padded with zero heads up to the next allowed count
@@ -48,7 +59,7 @@ torch_npu is imported inside the functions that run on the device, so this modul
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -58,6 +69,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonImpl,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
+    MLACommonPrefillMetadata,
     QueryLenSupport,
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
@@ -86,9 +98,15 @@ SUPPORTED_BLOCK_SIZES = (16, 128)
 COMPRESSED_MASK_SIDE = 2048
 SPARSE_MODE_NO_MASK = 0
 SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
-# Every request is a "decode" for vLLM's common code: no request is ever long enough to
-# reach the dense-MHA prefill path.
+# Without the dense prefill every request is a "decode" for vLLM's common code: no request
+# is ever long enough to reach the dense-MHA prefill path.
 UNBOUNDED_DECODE_THRESHOLD = 1 << 30
+# The dense TND form (MLA prefill as MHA): query / key D 192 = nope 128 + rope 64, value D
+# 128, bfloat16, the same number of query and key heads, one of these counts.
+DENSE_NOPE_DIM = 128
+DENSE_VALUE_DIM = 128
+DENSE_HEAD_COUNTS = (2, 4, 8, 16, 32, 64, 128)
+DENSE_DTYPE = torch.bfloat16
 
 
 def padded_head_count(num_heads: int) -> int:
@@ -102,6 +120,19 @@ def padded_head_count(num_heads: int) -> int:
         "Raise tensor_parallel_size so that each device holds at most "
         f"{PADDED_HEAD_COUNTS[-1]} heads."
     )
+
+
+def dense_head_count(num_heads: int) -> int:
+    """The dense TND form's head count for a layer of ``num_heads`` (at most 128) heads."""
+    return next(count for count in DENSE_HEAD_COUNTS if num_heads <= count)
+
+
+def dense_prefill_supported(dtype: torch.dtype, qk_nope_head_dim: int,
+                            v_head_dim: int) -> bool:
+    """Whether prefills can run as dense MHA through the fused op's dense TND form (query /
+    key nope heads and value heads up to 128, zero-padded to it; bfloat16 only)."""
+    return (dtype == DENSE_DTYPE and qk_nope_head_dim <= DENSE_NOPE_DIM
+            and v_head_dim <= DENSE_VALUE_DIM)
 
 
 def check_mla_shape(kv_lora_rank: int, qk_rope_head_dim: int) -> None:
@@ -192,12 +223,66 @@ def plan_rows(query_lens: list[int], seq_lens: list[int],
     return row_request, row_q, row_kv, row_len, token_rows
 
 
+@dataclass
+class AscendMLAPrefillMetadata(MLACommonPrefillMetadata):
+    """The dense TND call's arguments for the batch's prefills (requests in batch order)."""
+
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)  # cached tokens before the queries
+    cumulative_query_lens: list[int] = field(default_factory=list)  # actual_seq_lengths
+    cumulative_kv_lens: list[int] = field(default_factory=list)  # actual_seq_lengths_kv
+    # [sum(context_lens)] flat page slots of every prefill's cached context, request by
+    # request; None when no prefill has cached context.
+    context_slots: torch.Tensor | None = None
+    # [sum(kv lens)] each key's row in cat(context rows, new rows): a request's context,
+    # then its new tokens; None when there is no context (the keys are the new rows).
+    key_order: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+
+
+def plan_dense_prefill(query_lens: list[int], seq_lens: list[int],
+                       block_table: torch.Tensor, block_size: int):
+    """Host plan of the dense prefill: ``(cumulative_query_lens, cumulative_kv_lens,
+    context_slots, key_order)`` for requests of ``query_lens`` new tokens and ``seq_lens``
+    keys (cached context plus new tokens); ``block_table``: their rows (on the device, where
+    the slots are computed)."""
+    context_lens = [kv - q for q, kv in zip(query_lens, seq_lens, strict=True)]
+    if min(context_lens, default=0) < 0:
+        raise ValueError(f"prefill sequence lengths {seq_lens} below their query lengths "
+                         f"{query_lens}.")
+    cumulative_q = torch.tensor(query_lens, dtype=torch.long).cumsum(0).tolist()
+    cumulative_kv = torch.tensor(seq_lens, dtype=torch.long).cumsum(0).tolist()
+    total_context = sum(context_lens)
+    if total_context == 0:
+        return cumulative_q, cumulative_kv, None, None
+    context = torch.tensor(context_lens, dtype=torch.long)
+    requests = torch.arange(len(context_lens)).repeat_interleave(context)
+    context_starts = context.cumsum(0) - context
+    positions = torch.arange(total_context) - context_starts.repeat_interleave(context)
+    device = block_table.device
+    blocks = block_table[requests.to(device), (positions // block_size).to(device)].long()
+    context_slots = blocks * block_size + (positions % block_size).to(device)
+    # Key rows of request r: its context rows (at context_starts[r] in the context part),
+    # then its new rows (at total_context + its query start).
+    query = torch.tensor(query_lens, dtype=torch.long)
+    query_starts = query.cumsum(0) - query
+    order = [torch.cat([torch.arange(c_start, c_start + c_len),
+                        torch.arange(total_context + q_start, total_context + q_start + q_len)])
+             for c_start, c_len, q_start, q_len in zip(
+                 context_starts.tolist(), context_lens, query_starts.tolist(), query_lens,
+                 strict=True)]
+    key_order = torch.cat(order).to(device)
+    return cumulative_q, cumulative_kv, context_slots, key_order
+
+
 class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
-    """vLLM's MLA metadata with every request on the decode (latent) side; graph support:
-    uniform batches (decode, and MTP / speculative verification with the same query length
-    in every request). A captured batch issues the fused op in a graph task group whose
-    host lengths (``row_query_lens``, ``row_kv_lens``) are updated before each replay from
-    the metadata built here; padding requests of a captured size (sequence length 0 in
+    """vLLM's MLA metadata, decode requests on the latent side, prefills (above the decode
+    threshold) on the dense side (``AscendMLAPrefillMetadata``) where the dense TND form
+    takes the model (``dense_prefill``), else every request on the latent side. Graph
+    support: uniform batches (decode, and MTP / speculative verification with the same query
+    length in every request). A captured batch issues the fused op in a graph task group
+    whose host lengths (``row_query_lens``, ``row_kv_lens``) are updated before each replay
+    from the metadata built here; padding requests of a captured size (sequence length 0 in
     vLLM's buffers) get their query length, reading the null block through zero table rows.
     """
 
@@ -214,6 +299,11 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             )
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         check_mla_shape(self.mla_dims.kv_lora_rank, self.mla_dims.qk_rope_head_dim)
+        self.dense_prefill = dense_prefill_supported(
+            self.model_config.dtype, self.mla_dims.qk_nope_head_dim, self.mla_dims.v_head_dim)
+        if self.dense_prefill:
+            # vLLM's split: one token a request (1 + k with speculative decoding) decodes.
+            self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         self._causal_mask: torch.Tensor | None = None
         mode = vllm_config.compilation_config.cudagraph_mode
         self._full_graphs = mode is not None and mode.has_full_cudagraphs()
@@ -237,13 +327,40 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             )
         built = super().build(common_prefix_len, meta, fast_build)
         if built.num_prefills:
-            raise RuntimeError(
-                f"vLLM's MLA metadata split {built.num_prefills} request(s) off as "
-                "prefills; the Ascend MLA backend runs every request through its latent "
-                "path and has no dense prefill (reorder_batch_threshold was "
-                f"{self.reorder_batch_threshold})."
-            )
+            if not self.dense_prefill:
+                raise RuntimeError(
+                    f"vLLM's MLA metadata split {built.num_prefills} request(s) off as "
+                    "prefills, but this model's prefills run in the Ascend MLA backend's "
+                    "latent path (the dense TND form takes bfloat16 with nope / value heads "
+                    f"up to 128; reorder_batch_threshold was {self.reorder_batch_threshold})."
+                )
+            first = built.num_decodes
+            starts = meta.query_start_loc_cpu[first:meta.num_reqs + 1].tolist()
+            query_lens = [end - start for start, end in zip(starts[:-1], starts[1:],
+                                                            strict=True)]
+            # Exact for prefill rows (vLLM's build relies on it too; no device sync).
+            seq_lens = meta.seq_lens_cpu_upper_bound[first:meta.num_reqs].tolist()
+            built.prefill = self._build_dense_prefill(
+                built.prefill, query_lens, seq_lens, meta.block_table_tensor[first:])
         return built
+
+    def _build_dense_prefill(self, prefill: MLACommonPrefillMetadata, query_lens: list[int],
+                             seq_lens: list[int],
+                             block_table: torch.Tensor) -> AscendMLAPrefillMetadata:
+        cumulative_q, cumulative_kv, context_slots, key_order = plan_dense_prefill(
+            query_lens, seq_lens, block_table, self.kv_cache_spec.block_size)
+        return AscendMLAPrefillMetadata(
+            block_table=block_table,
+            query_start_loc=prefill.query_start_loc,
+            max_query_len=max(query_lens),
+            query_lens=query_lens,
+            context_lens=[kv - q for q, kv in zip(query_lens, seq_lens, strict=True)],
+            cumulative_query_lens=cumulative_q,
+            cumulative_kv_lens=cumulative_kv,
+            context_slots=context_slots,
+            key_order=key_order,
+            attn_mask=self._compressed_causal_mask(),
+        )
 
     def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len,
                       query_start_loc_cpu, query_start_loc_device, num_decode_tokens,
@@ -294,25 +411,28 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
 
 
 class NPUMLAPrefillBackend(MLAPrefillBackend):
-    """The npu platform's MLA prefill backend for vLLM's selector. The Ascend MLA backend
-    routes every token through its latent path, so vLLM never calls these; if it did (a
-    backend that splits prefills off), they refuse instead of computing something else."""
+    """The npu platform's MLA prefill backend for vLLM's selector (vLLM's MLA layer needs
+    one). The Ascend MLA backend runs its prefills itself (``AscendMLAImpl.forward_mha``:
+    the fused op's dense TND form, or the latent path), so vLLM never calls these; if it
+    did, they refuse instead of computing something else."""
 
     @staticmethod
     def get_name() -> str:
-        return "ASCEND_MLA_LATENT_PREFILL"
+        return "ASCEND_MLA_PREFILL"
 
     def run_prefill_new_tokens(self, q, k, v, return_softmax_lse, out=None,
                                output_scale=None):
         raise NotImplementedError(
-            "The npu target has no dense MLA prefill kernel: prefills run in the Ascend MLA "
-            f"backend's latent path ({ASCEND_MLA_NAME}); select that attention backend."
+            "The npu target's MLA prefills run inside the Ascend MLA backend "
+            f"({ASCEND_MLA_NAME}: AscendMLAImpl.forward_mha), not through vLLM's prefill "
+            "backends; select that attention backend."
         )
 
     def run_prefill_context_chunk(self, chunk, q, k, v, out=None):
         raise NotImplementedError(
-            "The npu target has no dense MLA prefill kernel: prefills run in the Ascend MLA "
-            f"backend's latent path ({ASCEND_MLA_NAME}); select that attention backend."
+            "The npu target's MLA prefills run inside the Ascend MLA backend "
+            f"({ASCEND_MLA_NAME}: AscendMLAImpl.forward_mha), not through vLLM's prefill "
+            "backends; select that attention backend."
         )
 
 
@@ -349,6 +469,7 @@ class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
             )
         check_mla_shape(mla_args["kv_lora_rank"], mla_args["qk_rope_head_dim"])
         self.padded_heads = padded_head_count(num_heads)
+        self.dense_heads = dense_head_count(num_heads)
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, **mla_args)
@@ -410,11 +531,70 @@ class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
             cache_mode="Norm",
         )
 
-    def forward_mha(self, *args, **kwargs):
-        raise NotImplementedError(
-            "The Ascend MLA backend runs every token through its latent path; vLLM handed "
-            "it a dense-MHA prefill, which it does not implement."
+    def forward_mha(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                    kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata,
+                    k_scale: torch.Tensor, output: torch.Tensor,
+                    output_scale: torch.Tensor | None = None) -> None:
+        """Dense-MHA attention of the batch's prefill tokens. ``q``: ``[T, N, nope +
+        rope]``; ``kv_c_normed`` ``[T, 512]`` and ``k_pe`` ``[T, (1,) 64]``: the new tokens'
+        latent and rope rows; writes ``output`` ``[T, N * v_head_dim]``."""
+        import torch_npu
+
+        meta = attn_metadata.prefill
+        if not isinstance(meta, AscendMLAPrefillMetadata):
+            raise TypeError(
+                "The Ascend MLA backend's dense prefill needs its own prefill metadata, got "
+                f"{type(meta).__name__}."
+            )
+        if output_scale is not None:
+            raise NotImplementedError(
+                "The Ascend MLA backend's dense prefill does not fuse output quantization.")
+        if torch.npu.is_current_stream_capturing():
+            raise RuntimeError(
+                "An NPU graph is capturing an MLA prefill (query lengths "
+                f"{meta.query_lens}): the fused op's host lengths would stay frozen in the "
+                "graph. Only uniform decode batches can be captured.")
+        tokens, heads = q.shape[0], self.num_heads
+        if tokens != meta.cumulative_query_lens[-1]:
+            raise ValueError(f"forward_mha got {tokens} query tokens, the metadata "
+                             f"{meta.cumulative_query_lens[-1]}.")
+        nope, rope_dim, v_dim = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        latent = kv_c_normed[:tokens]
+        rope = k_pe[:tokens].reshape(tokens, rope_dim)
+        if meta.context_slots is not None:
+            latent_cache, rope_cache = self.split_cache(kv_c_and_k_pe_cache)
+            slots = meta.context_slots
+            latent = torch.cat([latent_cache.view(-1, self.kv_lora_rank)[slots],
+                                latent.to(latent_cache.dtype)])[meta.key_order]
+            rope = torch.cat([rope_cache.view(-1, rope_dim)[slots],
+                              rope.to(rope_cache.dtype)])[meta.key_order]
+        kv_nope = self.kv_b_proj(latent)[0].view(-1, heads, nope + v_dim)
+        k_nope, value_part = kv_nope.split([nope, v_dim], dim=-1)
+        keys = kv_nope.shape[0]
+
+        # The dense form's shapes: nope and value heads zero-padded to 128, heads to the
+        # next allowed count. Zeros add nothing to a score; padded outputs are dropped.
+        padded, qk_dim = self.dense_heads, DENSE_NOPE_DIM + rope_dim
+        query = q.new_zeros(tokens, padded, qk_dim, dtype=DENSE_DTYPE)
+        query[:, :heads, :nope] = q[..., :nope]
+        query[:, :heads, DENSE_NOPE_DIM:] = q[..., nope:]
+        key = q.new_zeros(keys, padded, qk_dim, dtype=DENSE_DTYPE)
+        key[:, :heads, :nope] = k_nope
+        key[:, :heads, DENSE_NOPE_DIM:] = rope.unsqueeze(1)
+        value = q.new_zeros(keys, padded, DENSE_VALUE_DIM, dtype=DENSE_DTYPE)
+        value[:, :heads, :v_dim] = value_part
+        out, _ = torch_npu.npu_fused_infer_attention_score(
+            query, key, value,
+            atten_mask=meta.attn_mask,
+            actual_seq_lengths=meta.cumulative_query_lens,
+            actual_seq_lengths_kv=meta.cumulative_kv_lens,
+            num_heads=padded,
+            num_key_value_heads=padded,
+            scale=self.scale,
+            input_layout="TND",
+            sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL,
         )
+        output.view(tokens, heads, v_dim).copy_(out[:, :heads, :v_dim])
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor,
                     attn_metadata: MLACommonMetadata,
