@@ -7,7 +7,8 @@ metadata with the backend's builder from vLLM-style query starts, sequence lengt
 shuffled block table; and runs ``forward_mqa`` on the absorbed query ``q_nope @ W_UK`` as
 vLLM's ``MLAAttention`` does, then ``@ W_UV``. The expectation is MLA written out: keys
 ``[c @ W_UK^T, k_pe]``, values ``c @ W_UV``, causal softmax attention per request aligned
-to the end of its keys.
+to the end of its keys. The dense-prefill cases run prefills through ``forward_mha`` (the
+fused op's dense TND form) and compare them with the absorbed path and with that expectation.
 """
 
 from __future__ import annotations

@@ -2,16 +2,18 @@
 
 Built on vLLM's MLA scaffolding (``MLACommonBackend``, ``MLACommonMetadataBuilder``,
 ``MLACommonImpl``): vLLM's ``MLAAttention`` layer writes the latent cache through
-``do_kv_cache_update``, absorbs ``W_UK`` into the query, calls ``forward_mqa`` and applies
-``W_UV`` to its result. What this module adds:
+``do_kv_cache_update``, splits each batch into decode and prefill tokens, hands the prefill
+tokens to ``forward_mha`` and, for the decode tokens, absorbs ``W_UK`` into the query, calls
+``forward_mqa`` and applies ``W_UV`` to its result. What this module adds:
 
 - the latent-cache write, ``torch_npu.npu_scatter_pa_kv_cache`` in its ND ("Norm") mode with
   the normalised latent ``kv_c`` (512) as key and the rotated ``k_pe`` (64) as value, each
   one KV head, scattered by vLLM's slot mapping;
-- attention, ``torch_npu.npu_fused_infer_attention_score`` in its MLA form: ``query`` the
+- decode attention, ``torch_npu.npu_fused_infer_attention_score`` in its MLA form: ``query`` the
   absorbed latent query (D 512), ``query_rope`` its rope part (64), ``key`` and ``value``
   both the paged latent cache, ``key_rope`` the paged rope cache, ``num_key_value_heads=1``,
-  page attention through vLLM's block table.
+  page attention through vLLM's block table;
+- prefill attention, the same op in its dense ``TND`` form (below).
 
 Under FULL decode graphs a uniform batch (decode, or MTP / speculative verification with
 1 + k tokens per request) is captured with the same op: its ``.out`` form in a graph task
