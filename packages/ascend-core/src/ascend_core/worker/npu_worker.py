@@ -189,12 +189,8 @@ class NPUWorker(Worker):
 
     def init_npu_device(self) -> None:
         """Select the NPU, join the HCCL groups, seed, and snapshot the NPU's memory."""
-        if self.parallel_config.data_parallel_size > 1:
-            raise NotImplementedError(
-                "The npu worker does not place data-parallel ranks on NPUs yet "
-                f"(data_parallel_size={self.parallel_config.data_parallel_size}); "
-                "run with data_parallel_size=1."
-            )
+        # Data-parallel engines: vLLM assigns each its NPUs (assigned_physical_gpu_ids), so
+        # local rank 0 of DP rank 1 is that rank's first NPU.
         check_npus_for_layout(self.parallel_config, self.local_rank)
         if get_ascend_config().enable_cpu_binding:  # before HCCL starts its threads
             bind_worker(self.local_rank, self.parallel_config.local_world_size)
