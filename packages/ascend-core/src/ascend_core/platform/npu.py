@@ -180,8 +180,10 @@ class AscendPlatform(AscendPlatformMixin, Platform):
 
     @classmethod
     def get_mla_prefill_backend_cls(cls, mla_selector_config):
-        """MLA prefills run in the Ascend MLA backend's latent path; vLLM's selector still
-        asks for a prefill backend, which refuses if it is ever called."""
+        """MLA prefills run in the Ascend MLA backend itself (dense MHA through
+        ``npu_fused_infer_attention_score``'s TND form, ``AscendMLAImpl.forward_mha``);
+        vLLM's selector still asks for a prefill backend, which refuses if it is ever
+        called."""
         from ascend_core.attention.npu_mla import NPUMLAPrefillBackend
 
         return NPUMLAPrefillBackend
