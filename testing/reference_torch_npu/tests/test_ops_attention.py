@@ -157,8 +157,11 @@ def _sdpa(q, k, v, scale, causal_offset):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("layout", ["BSND", "BSH"])
-def test_causal_paged_prefill_matches_plain_attention(torch_npu, dtype, layout):
+@pytest.mark.parametrize(("layout", "split_cache"), [
+    ("BSND", False), ("BSH", False), ("BNSD", False), ("BNSD", True)])
+def test_causal_paged_prefill_matches_plain_attention(torch_npu, dtype, layout, split_cache):
+    """Page attention for each query layout; a BNSD query also takes (num_blocks, KV_N,
+    block_size, D) caches (``split_cache``)."""
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, block_size = 4, 2, 32, 128
     q_lens, kv_lens = [5, 130, 1], [5, 300, 40]   # fresh prompt, chunk on context, decode
@@ -174,13 +177,18 @@ def test_causal_paged_prefill_matches_plain_attention(torch_npu, dtype, layout):
         value_cache[table[b, :count].long()] = flat.reshape(count, block_size, -1)
     query = torch.randn(len(q_lens), q_s, heads, dim, generator=gen).to(dtype)
     scale = dim ** -0.5
+    if split_cache:  # the same blocks, each as (KV_N, block_size, D)
+        key_cache, value_cache = (
+            cache.reshape(cache.shape[0], block_size, kv_heads, dim).transpose(1, 2).contiguous()
+            for cache in (key_cache, value_cache))
+    given = {"BSND": query, "BSH": query.reshape(len(q_lens), q_s, heads * dim),
+             "BNSD": query.transpose(1, 2).contiguous()}[layout]
     out, lse = torch_npu.npu_fused_infer_attention_score(
-        query if layout == "BSND" else query.reshape(len(q_lens), q_s, heads * dim),
-        key_cache, value_cache, atten_mask=CAUSAL_MASK.to(torch.int8),
+        given, key_cache, value_cache, atten_mask=CAUSAL_MASK.to(torch.int8),
         actual_seq_lengths=q_lens, actual_seq_lengths_kv=kv_lens, block_table=table,
         block_size=block_size, num_heads=heads, num_key_value_heads=kv_heads, scale=scale,
         input_layout=layout, sparse_mode=3, softmax_lse_flag=True)
-    out = out.reshape(len(q_lens), q_s, heads, dim)
+    out = out.transpose(1, 2) if layout == "BNSD" else out.reshape(len(q_lens), q_s, heads, dim)
     assert out.dtype == dtype
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         expected = _sdpa(query[b, :q_len], keys[b], values[b], scale, kv_len - q_len)
@@ -250,7 +258,10 @@ def test_well_formed_call_succeeds(torch_npu):
     ({"antiquant_scale": torch.zeros(1)}, RuntimeError, "antiquant_scale is given but key"),
     ({"dequant_scale1": torch.zeros(1)}, NotImplementedError, "dequant_scale1 is not modelled"),
     ({"input_layout": "TND"}, RuntimeError, "with input_layout='TND' it must be 3-D"),
-    ({"input_layout": "BNSD"}, NotImplementedError, "'BNSD' is not modelled"),
+    # (num_blocks, KV_N, block_size, D) caches are for BNSD / TND queries only (the page).
+    ({"key": torch.zeros(2, 2, 128, 16, dtype=torch.float16),
+      "value": torch.zeros(2, 2, 128, 16, dtype=torch.float16)}, RuntimeError,
+     r"must be \(num_blocks, block_size=128"),
     ({"block_table": None}, RuntimeError, "without block_table"),
     ({"sparse_mode": 4, "pre_tokens": -3, "next_tokens": 1}, RuntimeError,
      "band they span is empty"),

@@ -13,7 +13,8 @@ Modelled forms:
   ``[num_blocks, block_size, num_head, head_size]``.
 - ``npu_fused_infer_attention_score`` in ``"BSND"``, ``"BSH"`` and ``"BNSD"``: page
   attention (``block_table`` and ``block_size``; the caches as ``(num_blocks, block_size,
-  H)``) or dense key/value; per-batch ``actual_seq_lengths`` / ``actual_seq_lengths_kv``;
+  H)``, or, for a BNSD query, also ``(num_blocks, KV_N, block_size, D)``) or dense
+  key/value; per-batch ``actual_seq_lengths`` / ``actual_seq_lengths_kv``;
   GQA through ``num_key_value_heads``; ``sparse_mode`` 0-4 (full masks, causal modes with
   the compressed 2048 x 2048 mask, bands from ``pre_tokens`` / ``next_tokens``);
   optionally the softmax log-sum-exp; int8 key/value through the antiquant arguments
@@ -238,6 +239,14 @@ def _check_table_covers(block_table, kv_lengths: list[int], block: int,
                                f"{num_blocks - 1}].")
 
 
+def _blocks_by_token(cache: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A ``(num_blocks, KV_N, block_size, D)`` cache as ``(num_blocks, block_size, KV_N *
+    D)``; any other shape as it is (the layout check names what is allowed)."""
+    if cache.dim() == 4 and cache.shape[1] == kv_heads:
+        return cache.transpose(1, 2).reshape(cache.shape[0], cache.shape[2], -1)
+    return cache
+
+
 def _paged_sequence(cache: torch.Tensor, table_row: torch.Tensor, length: int,
                     block_size: int, kv_heads: int) -> torch.Tensor:
     """``length`` tokens of one batch from a ``(num_blocks, block_size, H)`` cache, as
@@ -388,8 +397,9 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
             "actual_seq_lengths_kv", actual_seq_lengths_kv, batch, kv_s))
     else:
         if input_layout == "BNSD":
-            raise NotImplementedError("page attention with input_layout='BNSD' is not "
-                                      "modelled; use 'BSND' or 'BSH'.")
+            # The page: a BNSD (or TND) query also takes (num_blocks, KV_N, block_size, D)
+            # caches; BSH / BSND queries take (num_blocks, block_size, H) only.
+            key, value = _blocks_by_token(key, kv_heads), _blocks_by_token(value, kv_heads)
         dense = None
         kv_lengths = _check_paged_key_value(key, value, block_table, block_size,
                                             actual_seq_lengths_kv, batch, q_s, kv_heads,
