@@ -632,6 +632,24 @@ _MLA_MAX_QUERY_TOKENS = 16
 _MLA_BLOCK_SIZES = (16, 128)
 
 
+def _check_mla_caches(given: dict, key, value, key_rope, batch: int) -> int:
+    """The MLA form's paged caches (any layout): the block table, ``block_size`` and the ND
+    latent / rope caches ``(num_blocks, block_size, 512 | 64)``; returns the block size."""
+    _check_block_table(given["block_table"], batch)
+    block = _require_int("block_size", given["block_size"])
+    if block not in _MLA_BLOCK_SIZES:
+        raise RuntimeError(f"block_size={block}; the MLA form takes {list(_MLA_BLOCK_SIZES)}.")
+    for name, cache, width in (("key", key, _MLA_HEAD_DIM), ("value", value, _MLA_HEAD_DIM),
+                               ("key_rope", key_rope, _MLA_ROPE_DIM)):
+        if cache.dim() != 3 or cache.shape[1] != block or cache.shape[2] != width:
+            raise RuntimeError(f"{name} has shape {tuple(cache.shape)}; in the MLA form it must "
+                               f"be the ND cache (num_blocks, block_size={block}, {width}).")
+    if not key.shape[0] == value.shape[0] == key_rope.shape[0]:
+        raise RuntimeError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and key_rope "
+                           f"{tuple(key_rope.shape)} must hold the same number of blocks.")
+    return block
+
+
 def _mla_page_attention(given: dict):
     """The MLA form of ``npu_fused_infer_attention_score``: ``query_rope`` and ``key_rope``
     both given. Follows the page's "query_rope和key_rope输入时即为MLA场景" constraints for
@@ -726,18 +744,7 @@ def _mla_page_attention(given: dict):
     if block_table is None:
         raise RuntimeError("the MLA form (query D 512 with rope) needs page attention: pass "
                            "block_table and block_size.")
-    _check_block_table(block_table, batch)
-    block = _require_int("block_size", given["block_size"])
-    if block not in _MLA_BLOCK_SIZES:
-        raise RuntimeError(f"block_size={block}; the MLA form takes {list(_MLA_BLOCK_SIZES)}.")
-    for name, cache, width in (("key", key, _MLA_HEAD_DIM), ("value", value, _MLA_HEAD_DIM),
-                               ("key_rope", key_rope, _MLA_ROPE_DIM)):
-        if cache.dim() != 3 or cache.shape[1] != block or cache.shape[2] != width:
-            raise RuntimeError(f"{name} has shape {tuple(cache.shape)}; in the MLA form it must "
-                               f"be the ND cache (num_blocks, block_size={block}, {width}).")
-    if not key.shape[0] == value.shape[0] == key_rope.shape[0]:
-        raise RuntimeError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and key_rope "
-                           f"{tuple(key_rope.shape)} must hold the same number of blocks.")
+    block = _check_mla_caches(given, key, value, key_rope, batch)
     num_blocks = key.shape[0]
     if given["actual_seq_lengths_kv"] is None:
         raise RuntimeError("page attention needs actual_seq_lengths_kv.")

@@ -49,6 +49,7 @@ from torch_npu._ops_attention import (
     _UNMODELLED_FIA_ARGUMENTS,
     _check_block_table,
     _check_compressed_causal_mask,
+    _check_mla_caches,
     _check_table_covers,
     _paged_sequence,
     _require_contiguous,
@@ -61,7 +62,6 @@ _DENSE_HEADS = (2, 4, 8, 16, 32, 64, 128)
 _MAX_TOKENS = 1 << 20
 _MAX_DENSE_BATCH = 4096
 _MLA_HEADS = (32, 64, 128)
-_MLA_BLOCK_SIZES = (16, 128)
 _ROPE_DIM = 64
 
 
@@ -390,18 +390,7 @@ def _mla_paged(given, layout, q, heads, kv_heads_arg, q_lens, causal, batch):
     if block_table is None:
         raise RuntimeError("block_table is None; with query D 512 the page requires page "
                            "attention (block_table and block_size).")
-    _check_block_table(block_table, batch)
-    block = _require_int("block_size", given["block_size"])
-    if block not in _MLA_BLOCK_SIZES:
-        raise RuntimeError(f"block_size={block}; the MLA form takes {list(_MLA_BLOCK_SIZES)}.")
-    for name, cache, width in (("key", key, 512), ("value", value, 512),
-                               ("key_rope", key_rope, _ROPE_DIM)):
-        if cache.dim() != 3 or cache.shape[1] != block or cache.shape[2] != width:
-            raise RuntimeError(f"{name} has shape {tuple(cache.shape)}; in the MLA form it must "
-                               f"be the ND cache (num_blocks, block_size={block}, {width}).")
-    if not key.shape[0] == value.shape[0] == key_rope.shape[0]:
-        raise RuntimeError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and key_rope "
-                           f"{tuple(key_rope.shape)} must hold the same number of blocks.")
+    block = _check_mla_caches(given, key, value, key_rope, batch)
     kv_lens = _paged_lengths(given, layout, batch, block, key.shape[0], block_table)
     if causal:
         for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
