@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import host_machine  # beside this script
@@ -53,23 +51,12 @@ async def one_round(url: str, model: str, prompts: list[str]) -> dict:
             "latency": [s for s, _ in results]}
 
 
-def served_per_engine(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r'vllm:request_success_total\{.*engine="(\d+)".*\} ([0-9.e+]+)', line)
-        if match:
-            counts[match[1]] = counts.get(match[1], 0.0) + float(match[2])
-    return counts
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds per setup and load")
     args = parser.parse_args()
     from ascend_plugin.demo_model import demo_model_dir, held_out_prompts
-    from ascend_plugin.serving import running_server
+    from ascend_plugin.serving import finished_per_engine, running_server
 
     model = str(demo_model_dir())
     prompts = held_out_prompts(max(CONCURRENCY))
@@ -91,7 +78,7 @@ def main() -> int:
                     print(f"[bench_dp] {n} concurrent, round {index + 1}/{args.rounds} "
                           f"{name}: {result['tokens'] / result['seconds']:.0f} tok/s",
                           flush=True)
-        engines = {name: served_per_engine(url) for name, url in setups.items()}
+        engines = {name: finished_per_engine(url) for name, url in setups.items()}
     results = {
         "machine": host_machine.describe(),
         "load": {"concurrency": list(CONCURRENCY), "max_tokens": MAX_TOKENS,

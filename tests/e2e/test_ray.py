@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from test_npu_target import LLM, NPU
 
-from ascend_plugin.serving import complete, free_port, running_server
+from ascend_plugin.serving import complete, finished_per_engine, free_port, running_server
 
 from vllm_runs import ALL_CPUS, PROMPTS, run_vllm, start_failure
 
@@ -111,22 +111,10 @@ def test_host_tensor_parallel_2_across_two_ray_nodes_equals_mp_and_counts_device
             f"Ray cluster at {ray_env['RAY_ADDRESS']}, which has 2: add nodes") in too_few
 
 
-def served_engines(metrics: str) -> dict[str, float]:
-    """Finished requests per engine (DP rank) from vLLM's ``/metrics``."""
-    counts: dict[str, float] = {}
-    for line in metrics.splitlines():
-        match = re.match(r'vllm:request_success_total\{.*engine="(\d+)".*\} ([0-9.e+]+)', line)
-        if match:
-            counts[match[1]] = counts.get(match[1], 0.0) + float(match[2])
-    return counts
-
-
 def test_host_data_parallel_2_across_two_ray_nodes_through_vllm_serve(llama_dir, tmp_path,
                                                                       mp_tensor_parallel_2):
     """``vllm serve`` with one engine per node (vLLM's DP coordinator balances them); each
     node's bundles hold its engine and its worker, so each gets 2 CPUs."""
-    import urllib.request
-
     args = ["--dtype", "float32", "--enforce-eager", "--data-parallel-size", "2",
             "--data-parallel-size-local", "1", "--data-parallel-backend", "ray",
             "--api-server-count", "1"]
@@ -137,8 +125,7 @@ def test_host_data_parallel_2_across_two_ray_nodes_through_vllm_serve(llama_dir,
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             replies = list(pool.map(lambda p: complete(url, llama_dir, p, max_tokens=16),
                                     PROMPTS))
-        with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
-            engines = served_engines(reply.read().decode())
+        engines = finished_per_engine(url)
     texts = [reply["choices"][0]["text"] for reply in replies]
     # The server stops at the end-of-sequence token where the offline run went on.
     for text, expected in zip(texts, mp_tensor_parallel_2["texts"], strict=True):

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -173,6 +174,19 @@ def counter_totals(base_url: str, names: Sequence[str], timeout: float = 30) -> 
             if metric_name in (name, name + "_total"):
                 totals[name] += float(value)
     return totals
+
+
+def finished_per_engine(base_url: str, timeout: float = 30) -> dict[str, float]:
+    """Requests each engine (data-parallel rank) finished, from vLLM's ``/metrics``
+    (``vllm:request_success_total``, summed over its other labels), keyed by engine index."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as reply:
+        text = reply.read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r'vllm:request_success_total\{.*engine="(\d+)".*\} (\S+)$', line)
+        if match:
+            counts[match[1]] = counts.get(match[1], 0.0) + float(match[2])
+    return counts
 
 
 def _tail(log_path: str | None, lines: int = 30) -> str:
