@@ -14,7 +14,6 @@ session and the tests share the results.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_runs import cores_for
+from vllm_runs import cores_for, vllm_environment
 
 HERE = Path(__file__).parent
 HOST = {"VLLM_ASCEND_TARGET": "host"}
@@ -100,20 +99,12 @@ def engine_main(args: dict) -> None:
 # --------------------------------------------------------------------------- test side
 
 
-def _env(extra: dict | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_TARGET"}
-    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
-    env.update(extra or {})
-    return env
-
-
 def serve(model: str | Path, env: dict | None = None, **llm) -> dict:
     """Run this file as the engine script on ``model``; its result, or fail with its log."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         args = {"model": str(model), "llm": llm, "out": str(out)}
-        proc = subprocess.run([sys.executable, __file__, json.dumps(args)], env=_env(env),
+        proc = subprocess.run([sys.executable, __file__, json.dumps(args)], env=vllm_environment(env),
                               capture_output=True, text=True, timeout=900,
                               preexec_fn=cores_for(llm, env))
         if proc.returncode == 0 and out.exists():
@@ -125,7 +116,7 @@ def serve(model: str | Path, env: dict | None = None, **llm) -> dict:
 def start_failure(model: str | Path, env: dict | None = None, **llm) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         args = {"model": str(model), "llm": llm, "out": str(Path(tmp) / "result.json")}
-        proc = subprocess.run([sys.executable, __file__, json.dumps(args)], env=_env(env),
+        proc = subprocess.run([sys.executable, __file__, json.dumps(args)], env=vllm_environment(env),
                               capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0, f"expected a start-up failure, got:\n{proc.stdout[-2000:]}"
     return proc.stdout + proc.stderr

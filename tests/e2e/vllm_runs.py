@@ -25,6 +25,10 @@ BASE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     # collective_rpc ships run_llm.probe_worker to the workers by value.
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    # The engine core in the LLM's own process: a separate one costs a second interpreter
+    # importing vLLM and torch, 18 s of a 30 s run on one core here. `vllm serve` (the
+    # server and prefill/decode tests) keeps vLLM's separate engine process.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 
 
