@@ -15,6 +15,7 @@ from ascend_core.config import (
     REMOVED_KEYS,
     AscendConfig,
     AscendConfigError,
+    DraftLengthConfig,
     EplbConfig,
     RejectionSamplerConfig,
     get_ascend_config,
@@ -51,6 +52,8 @@ FULL = {
         "heat_collection_phase": "decode",
     },
     "rejection_sampler_config": {"backend": "triton"},
+    "draft_length_config": {"dynamic": False, "min_num_speculative_tokens": 1,
+                            "max_num_speculative_tokens": 2},
     "enable_cpu_binding": True,
     "weight_nz_mode": 2,
 }
@@ -111,6 +114,7 @@ def test_valid_keys_per_level():
     assert AscendConfig.valid_keys() == tuple(FULL)
     assert EplbConfig.valid_keys() == tuple(FULL["eplb_config"])
     assert RejectionSamplerConfig.valid_keys() == ("backend",)
+    assert DraftLengthConfig.valid_keys() == tuple(FULL["draft_length_config"])
 
 
 def test_describe_lists_nested_keys_with_docs_and_npu_only_flags():

@@ -175,12 +175,39 @@ class RejectionSamplerConfig(_Section):
 
 
 @dataclass(frozen=True)
+class DraftLengthConfig(_Section):
+    """``draft_length_config``: how many draft tokens a request gets per step when a
+    speculative method is configured (ascend-specdec's controller, both targets)."""
+
+    dynamic: bool = _key(
+        True,
+        "Choose the number of draft tokens every step, from min_num_speculative_tokens to "
+        "max_num_speculative_tokens, from the acceptance and the step times measured while "
+        "serving, so that speculation does not cost throughput under load. Off: every step "
+        "drafts num_speculative_tokens, as vLLM does.",
+    )
+    min_num_speculative_tokens: int = _key(
+        0, "The fewest draft tokens a decoding request gets in a step (dynamic only).",
+        minimum=0,
+    )
+    max_num_speculative_tokens: int | None = _key(
+        None,
+        "The most draft tokens a request gets in a step (dynamic only); at most "
+        "speculative_config's num_speculative_tokens, which it defaults to.",
+        minimum=1,
+    )
+
+
+@dataclass(frozen=True)
 class AscendConfig(_Section):
     """All plugin options from ``additional_config``; every key is optional."""
 
     eplb_config: EplbConfig = field(default_factory=EplbConfig, metadata=_meta(EplbConfig.__doc__))
     rejection_sampler_config: RejectionSamplerConfig = field(
         default_factory=RejectionSamplerConfig, metadata=_meta(RejectionSamplerConfig.__doc__)
+    )
+    draft_length_config: DraftLengthConfig = field(
+        default_factory=DraftLengthConfig, metadata=_meta(DraftLengthConfig.__doc__)
     )
     enable_cpu_binding: bool = _key(
         False,

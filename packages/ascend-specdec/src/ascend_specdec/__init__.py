@@ -26,6 +26,19 @@ def register() -> None:
     for method in EAGLE_METHODS:
         SPECULATIVE_PROPOSERS.register(method, eagle_proposer_factory)
     _register_rejection_sampler()
+    from ascend_core.registry import CONFIG_HOOKS
+
+    CONFIG_HOOKS.register(DRAFT_LENGTH_HOOK, _install_draft_length_scheduler)
+
+
+# Core's CONFIG_HOOKS entry that puts the draft-length controller in vLLM's scheduler.
+DRAFT_LENGTH_HOOK = "ascend_specdec.draft_length"
+
+
+def _install_draft_length_scheduler(vllm_config) -> None:
+    from ascend_specdec.vllm.draft_length import install_draft_length_scheduler
+
+    install_draft_length_scheduler(vllm_config)
 
 
 def _register_rejection_sampler() -> None:

@@ -1,0 +1,203 @@
+"""How many draft tokens each request gets in the next step: chosen from load and acceptance.
+
+Fixed-length speculation wins at batch 1 and loses under load: a verification step scores
+``1 + k`` tokens per request, and once the batch fills the device that work costs about as
+much as the tokens it would have saved. ``DraftLengthController`` decides online, every step:
+
+- **Acceptance**: per draft position ``j``, the rate at which the ``j``-th draft is accepted
+  when the ones before it were (decayed counts over all requests), and per request how its
+  own rate compares with the global one (a few pseudo-observations of the global rate, so a
+  new request starts at the global estimate). The chance that a request's first ``j`` drafts
+  are all accepted is the product of its rates up to ``j``.
+- **Cost**: the measured time of a decode step, per batch-size range (powers of two) and
+  draft length ``k_max`` (the length the proposer ran and the verification scored), as a
+  moving average. A step's time is far from linear in its tokens (a device is about as fast
+  for 8 tokens as for 1 until its compute fills), so it is measured where it is used rather
+  than extrapolated. The first steps in each range try every allowed length (calibration on
+  the real traffic); afterwards every ``explore_every``-th step there drafts a neighbour of
+  the chosen length in full, so a change in load or acceptance is seen.
+- **Choice**: the length with the most expected tokens per second: each request yields one
+  token plus, for each draft, the chance that it and the ones before it are accepted. Then
+  each request keeps a draft only while that chance is worth its share of the step's extra
+  time at the step's rate, so requests whose drafts are rarely accepted draft fewer.
+  ``k_max`` is what the proposer drafts; each request's own count is at most that.
+
+Greedy outputs do not depend on the count (verification is exact); the sampled path keeps
+the target distribution for any count. Pure Python: no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+class DraftLengthError(ValueError):
+    """A bad controller setting: what was wrong, the value, what would be right."""
+
+
+class StepTimes:
+    """Moving averages of decode-step seconds per (batch-size range, draft length)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self._seconds: dict[tuple[int, int], float] = {}
+
+    @staticmethod
+    def bucket(num_requests: int) -> int:
+        """The batch-size range: the next power of two at or above ``num_requests``."""
+        return 1 << max(num_requests - 1, 0).bit_length()
+
+    def observe(self, num_requests: int, k_max: int, seconds: float) -> None:
+        if num_requests <= 0 or seconds <= 0 or not math.isfinite(seconds):
+            return
+        key = (self.bucket(num_requests), k_max)
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else old + self.weight * (seconds - old)
+
+    def get(self, num_requests: int, k_max: int) -> float | None:
+        return self._seconds.get((self.bucket(num_requests), k_max))
+
+
+@dataclass
+class _Counts:
+    tried: float = 0.0
+    accepted: float = 0.0
+
+
+class DraftLengthController:
+    """Chooses ``k_max`` for the proposer and each request's count (see the module doc).
+
+    ``max_k``: the configured ``num_speculative_tokens``; counts stay in ``[min_k, max_k]``.
+    """
+
+    def __init__(self, max_k: int, min_k: int = 0, *, decay: float = 0.995,
+                 request_prior: float = 4.0, explore_every: int = 16,
+                 calibration_rounds: int = 2, weight: float = 0.2) -> None:
+        if not isinstance(max_k, int) or max_k < 1:
+            raise DraftLengthError(
+                f"max_k={max_k!r}: the draft length must be an integer of at least 1")
+        if not isinstance(min_k, int) or not 0 <= min_k <= max_k:
+            raise DraftLengthError(
+                f"min_k={min_k!r}: must be an integer from 0 to max_k={max_k}")
+        self.max_k, self.min_k = max_k, min_k
+        self.decay, self.request_prior = decay, request_prior
+        self.explore_every = explore_every
+        self.times = StepTimes(weight)
+        self.calibration_rounds = calibration_rounds
+        # Global per position (1-based j at index j-1), one accepted of two tried to start.
+        self._positions = [_Counts(2.0, 1.0) for _ in range(max_k)]
+        self._requests: dict[str, _Counts] = {}
+        # Per batch-size range: the lengths still to try at start-up, and the steps seen.
+        self._calibration: dict[int, list[int]] = {}
+        self._steps: dict[int, int] = {}
+        # How often each k_max was chosen (the controller's histogram).
+        self.chosen: dict[int, int] = {k: 0 for k in range(min_k, max_k + 1)}
+
+    # ------------------------------------------------------------------ what was seen
+
+    def observe_verification(self, results: Iterable[tuple[str, int, int]]) -> None:
+        """One step's verified drafts: ``(request id, drafts scored, drafts accepted)``."""
+        for counts in self._positions:
+            counts.tried *= self.decay
+            counts.accepted *= self.decay
+        for req_id, drafts, accepted in results:
+            if drafts <= 0:
+                continue
+            accepted = max(0, min(accepted, drafts))
+            # Positions 1..accepted were accepted; the next one (if any) was tried and lost.
+            for j in range(min(accepted + 1, drafts)):
+                self._positions[j].tried += 1.0
+                if j < accepted:
+                    self._positions[j].accepted += 1.0
+            own = self._requests.setdefault(req_id, _Counts())
+            own.tried += min(accepted + 1, drafts)
+            own.accepted += accepted
+
+    def observe_step(self, num_requests: int, k_max: int, seconds: float) -> None:
+        """A decode step's wall time, its number of requests and the length it drafted."""
+        self.times.observe(num_requests, k_max, seconds)
+
+    def forget_request(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+
+    # ------------------------------------------------------------------ estimates
+
+    def position_rates(self) -> list[float]:
+        """Global acceptance rate of each draft position, given the earlier ones accepted."""
+        return [c.accepted / c.tried if c.tried > 0 else 0.0 for c in self._positions]
+
+    def _global_rate(self) -> float:
+        tried = sum(c.tried for c in self._positions)
+        return sum(c.accepted for c in self._positions) / tried if tried > 0 else 0.0
+
+    def chain_probabilities(self, req_id: str | None = None) -> list[float]:
+        """``p[j-1]``: the chance the request's first ``j`` drafts are all accepted."""
+        rates = self.position_rates()
+        scale = 1.0
+        own = self._requests.get(req_id) if req_id is not None else None
+        overall = self._global_rate()
+        if own is not None and overall > 0:
+            blended = ((own.accepted + self.request_prior * overall)
+                       / (own.tried + self.request_prior))
+            scale = blended / overall
+        chain, p = [], 1.0
+        for rate in rates:
+            p *= min(rate * scale, 0.999)
+            chain.append(p)
+        return chain
+
+    # ------------------------------------------------------------------ the choice
+
+    def choose(self, req_ids: list[str]) -> tuple[int, dict[str, int]]:
+        """``(k_max, {request id: count})`` for the next step of these decoding requests."""
+        if not req_ids:
+            return self.min_k, {}
+        bucket = StepTimes.bucket(len(req_ids))
+        steps = self._steps[bucket] = self._steps.get(bucket, 0) + 1
+        todo = self._calibration.setdefault(bucket, [
+            k for _ in range(self.calibration_rounds)
+            for k in range(self.min_k, self.max_k + 1)])
+        chains = {r: self.chain_probabilities(r) for r in req_ids}
+        if todo:
+            k_max = todo.pop(0)
+            counts = {r: k_max for r in req_ids}
+        else:
+            rates = {k: self._expected(chains, k) / self.times.get(len(req_ids), k)
+                     for k in range(self.min_k, self.max_k + 1)
+                     if self.times.get(len(req_ids), k)}
+            k_max = max(rates, key=lambda k: (rates[k], -k)) if rates else self.max_k
+            if self.explore_every and steps % self.explore_every == 0:
+                # A neighbouring length, drafted in full by every request: its time and its
+                # acceptance are measured, not inferred from a choice that avoids them.
+                up = k_max < self.max_k and (
+                    (steps // self.explore_every) % 2 == 1 or k_max == self.min_k)
+                k_max = k_max + 1 if up else max(k_max - 1, self.min_k)
+                counts = {r: k_max for r in req_ids}
+            else:
+                counts = self._per_request(chains, k_max, len(req_ids))
+        self.chosen[k_max] = self.chosen.get(k_max, 0) + 1
+        return k_max, counts
+
+    def _expected(self, chains: Mapping[str, list[float]], k: int) -> float:
+        """Expected tokens a step yields when every request drafts ``k``."""
+        return sum(1.0 + sum(chain[:k]) for chain in chains.values())
+
+    def _per_request(self, chains: Mapping[str, list[float]], k_max: int, batch: int
+                     ) -> dict[str, int]:
+        """Each request's drafts, in order, while a draft's chance of acceptance is worth
+        the time it adds: the step's extra time per draft at ``k_max`` over the base length,
+        at the step's rate of tokens per second."""
+        counts = {r: k_max for r in chains}
+        base, full = self.times.get(batch, self.min_k), self.times.get(batch, k_max)
+        if k_max <= self.min_k or not base or not full or full <= base:
+            return counts
+        per_draft = (full - base) / (batch * (k_max - self.min_k))
+        rate = self._expected(chains, k_max) / full
+        for r, chain in chains.items():
+            keep = self.min_k
+            while keep < k_max and chain[keep] >= per_draft * rate:
+                keep += 1
+            counts[r] = keep
+        return counts

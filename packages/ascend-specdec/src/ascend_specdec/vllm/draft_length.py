@@ -1,0 +1,201 @@
+"""The draft-length controller inside vLLM's scheduler (both targets).
+
+vLLM 0.32 already lets its scheduler pick a step's draft length: ``SchedulerOutput.
+num_spec_tokens_to_schedule`` is what every proposer drafts at the end of the step (vLLM's
+static ``num_speculative_tokens_per_batch_size`` schedule fills it from the batch size), and
+the model runners score whatever count each request brings. The scheduler here fills it from
+``ascend_specdec.draft_length.DraftLengthController`` instead, from the acceptance it sees and
+the step times it measures, and (with vLLM's synchronous scheduler) trims each request's new
+drafts to that request's own count. So one mechanism serves every method (Medusa, EAGLE /
+EAGLE-3 / MTP, n-gram, suffix) and both model runners.
+
+The config hook (core's ``CONFIG_HOOKS``) installs it whenever speculation is configured and
+``additional_config["draft_length_config"]["dynamic"]`` is on (the default).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from ascend_specdec.draft_length import DraftLengthController
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER = "ascend_specdec.vllm.draft_length.make_scheduler"
+
+
+class _FromController:
+    """Stands in for vLLM's batch-size lookup (``dynamic_sd_lookup``): a non-None lookup also
+    turns off vLLM's padding of decode requests to the full draft length. The real choice is
+    made in ``_update_after_schedule``, which sees the whole batch."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __getitem__(self, batch_size: int) -> int:
+        return self.k
+
+
+class DraftLengthMixin:
+    """Mixed in before vLLM's ``Scheduler`` or ``AsyncScheduler``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        min_k, max_k = draft_length_bounds(self.vllm_config)
+        self.draft_controller = DraftLengthController(max_k=max_k, min_k=min_k)
+        self.dynamic_sd_lookup = _FromController(self.draft_controller.max_k)
+        self._counts: dict[str, int] = {}
+        self._decode_only = False
+        # Per decode-only step in flight: when it was scheduled and how many requests it has.
+        self._decode_steps: dict[int, tuple[float, int]] = {}
+        logger.info("draft length: chosen every step from %d to %d draft tokens "
+                    "(ascend_specdec.draft_length)", self.draft_controller.min_k,
+                    self.draft_controller.max_k)
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        start = time.perf_counter()
+        output = super().schedule(*args, **kwargs)
+        if self._decode_only:
+            self._decode_steps[id(output)] = (start, len(output.num_scheduled_tokens))
+        return output
+
+    def _update_after_schedule(self, scheduler_output) -> None:
+        decoding = [req_id for req_id, num in scheduler_output.num_scheduled_tokens.items()
+                    if self.requests[req_id].num_computed_tokens + num
+                    >= self.requests[req_id].num_tokens_with_spec]  # it samples this step
+        # Steps with prefill chunks are not timed: their time is the prefill's.
+        self._decode_only = bool(decoding) and len(decoding) == len(
+            scheduler_output.num_scheduled_tokens)
+        k_max, self._counts = self.draft_controller.choose(decoding)
+        scheduler_output.num_spec_tokens_to_schedule = k_max
+        super()._update_after_schedule(scheduler_output)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        step = self._decode_steps.pop(id(scheduler_output), None)
+        if step is not None:
+            # Its time covers verifying the drafts it brought and drafting k_max new ones,
+            # as every decode step at that length does.
+            self.draft_controller.observe_step(
+                step[1], scheduler_output.num_spec_tokens_to_schedule,
+                time.perf_counter() - step[0])
+        self.draft_controller.observe_verification(
+            _verified(scheduler_output, model_runner_output))
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for req_id in scheduler_output.finished_req_ids:
+            self.draft_controller.forget_request(req_id)
+        return outputs
+
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        """Each request keeps the first drafts of its own count. vLLM calls this with the
+        synchronous scheduler only; async scheduling drafts one count for all."""
+        draft_token_ids.draft_token_ids = [
+            drafts[:self._counts.get(req_id, len(drafts))]
+            for req_id, drafts in zip(draft_token_ids.req_ids,
+                                      draft_token_ids.draft_token_ids, strict=True)]
+        super().update_draft_token_ids(draft_token_ids)
+
+
+def _verified(scheduler_output, model_runner_output):
+    """``(request id, drafts scored, drafts accepted)`` for each request that had drafts."""
+    scheduled = scheduler_output.scheduled_spec_decode_tokens
+    if not scheduled or not model_runner_output.sampled_token_ids:
+        return []
+    invalid = scheduler_output.num_invalid_spec_tokens or {}
+    index = model_runner_output.req_id_to_index
+    results = []
+    for req_id, drafts in scheduled.items():
+        row = index.get(req_id)
+        if row is None or row >= len(model_runner_output.sampled_token_ids):
+            continue
+        generated = model_runner_output.sampled_token_ids[row]
+        if not generated:
+            continue
+        scored = len(drafts) - invalid.get(req_id, 0)
+        results.append((req_id, scored, len(generated) - 1))
+    return results
+
+
+class AscendDraftLengthScheduler(DraftLengthMixin, Scheduler):
+    pass
+
+
+class AscendAsyncDraftLengthScheduler(DraftLengthMixin, AsyncScheduler):
+    pass
+
+
+def make_scheduler(*args: Any, vllm_config, **kwargs: Any):
+    """vLLM's ``scheduler_cls``: the synchronous or async variant, as vLLM resolved it; vLLM's
+    own where FULL decode graphs are captured (npu): they are captured for the configured
+    length only, and a batch of another length would run without them."""
+    async_scheduling = vllm_config.scheduler_config.async_scheduling
+    if full_decode_graphs(vllm_config):
+        logger.info("draft length: fixed at %d, the length the FULL decode graphs hold",
+                    vllm_config.speculative_config.num_speculative_tokens)
+        cls = AsyncScheduler if async_scheduling else Scheduler
+    else:
+        cls = (AscendAsyncDraftLengthScheduler if async_scheduling
+               else AscendDraftLengthScheduler)
+    return cls(*args, vllm_config=vllm_config, **kwargs)
+
+
+def full_decode_graphs(vllm_config) -> bool:
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return (not vllm_config.model_config.enforce_eager and mode is not None
+            and mode.has_full_cudagraphs())
+
+
+def draft_length_settings(vllm_config):
+    from ascend_core.config import AscendConfig
+
+    return AscendConfig.from_dict(vllm_config.additional_config).draft_length_config
+
+
+def draft_length_bounds(vllm_config) -> tuple[int, int]:
+    """``(min_k, max_k)`` from ``draft_length_config``, checked against
+    ``num_speculative_tokens``."""
+    from ascend_core.config import AscendConfigError
+
+    settings = draft_length_settings(vllm_config)
+    configured = vllm_config.speculative_config.num_speculative_tokens
+    max_k = settings.max_num_speculative_tokens or configured
+    min_k = settings.min_num_speculative_tokens
+    where = "additional_config key 'draft_length_config."
+    if max_k > configured:
+        raise AscendConfigError([
+            f"{where}max_num_speculative_tokens' is {max_k}, more than speculative_config's "
+            f"num_speculative_tokens={configured}: use at most {configured}."])
+    if min_k > max_k:
+        raise AscendConfigError([
+            f"{where}min_num_speculative_tokens' is {min_k}, more than the largest draft "
+            f"length {max_k}: use 0 to {max_k}."])
+    return min_k, max_k
+
+
+def install_draft_length_scheduler(vllm_config) -> bool:
+    """Core's config hook: use the controller's scheduler where it applies; whether it did."""
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.num_speculative_tokens:
+        return False
+    if not draft_length_settings(vllm_config).dynamic:
+        logger.info("draft length: fixed at %d (draft_length_config.dynamic is off)",
+                    spec.num_speculative_tokens)
+        return False
+    scheduler_config = vllm_config.scheduler_config
+    why_not = None
+    if spec.num_speculative_tokens_per_batch_size:
+        why_not = "speculative_config.num_speculative_tokens_per_batch_size is set"
+    elif vllm_config.parallel_config.data_parallel_size > 1:
+        why_not = "data-parallel ranks would choose different lengths"
+    elif scheduler_config.scheduler_cls not in (None, SCHEDULER):
+        why_not = f"scheduler_cls is {scheduler_config.scheduler_cls!r}"
+    if why_not:
+        logger.info("draft length: fixed (vLLM's rules) because %s", why_not)
+        return False
+    draft_length_bounds(vllm_config)  # a bad bound stops the start here, in one line
+    scheduler_config.scheduler_cls = SCHEDULER
+    return True

@@ -1,0 +1,131 @@
+"""The draft-length controller: calibration, the choice under cost and acceptance, per-request
+counts, exploration, and its bounds."""
+
+import pytest
+
+from ascend_specdec.draft_length import DraftLengthController, DraftLengthError, StepTimes
+
+K = 3
+
+
+def served(controller, req_ids, accept, seconds, steps=40):
+    """Run ``steps`` steps: each request accepts its first ``accept[r]`` drafts (of those it
+    got), a step of k drafts takes ``seconds(len(req_ids), k)``; the lengths chosen."""
+    chosen = []
+    for _ in range(steps):
+        k_max, counts = controller.choose(req_ids)
+        chosen.append(k_max)
+        assert set(counts) == set(req_ids)
+        assert all(controller.min_k <= c <= k_max for c in counts.values()), counts
+        controller.observe_verification(
+            (r, counts[r], min(accept[r], counts[r])) for r in req_ids)
+        controller.observe_step(len(req_ids), k_max, seconds(len(req_ids), k_max))
+    return chosen
+
+
+def test_first_steps_try_every_length_then_drafts_in_full_where_drafts_are_free():
+    controller = DraftLengthController(max_k=K, calibration_rounds=2, explore_every=0)
+    chosen = served(controller, ["a"], {"a": K}, lambda n, k: 0.01)
+    assert chosen[:8] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert set(chosen[8:]) == {K}
+    assert controller.chosen == {k: chosen.count(k) for k in range(K + 1)}
+
+
+def test_no_drafts_when_none_are_accepted():
+    controller = DraftLengthController(max_k=K, explore_every=0)
+    chosen = served(controller, ["a", "b"], {"a": 0, "b": 0}, lambda n, k: 0.01 * (1 + k))
+    assert set(chosen[-20:]) == {0}
+
+
+def test_the_length_follows_the_batch_size():
+    """Small batches: a step costs the same whatever its length (a device's spare compute),
+    so every draft pays. Large batches: each draft token costs as much as a verified one, so
+    drafts accepted half the time lose, and the controller stops drafting there."""
+    controller = DraftLengthController(max_k=K, explore_every=0)
+    small = [f"s{i}" for i in range(2)]
+    large = [f"l{i}" for i in range(64)]
+    # Half the requests accept their first draft, the other half none.
+    accept = {r: i % 2 for i, r in enumerate(small + large)}
+
+    def seconds(n, k):
+        return 0.01 if n <= 2 else 0.01 * n * (1 + k) / 64
+
+    assert set(served(controller, small, accept, seconds)[-10:]) == {K}
+    assert set(served(controller, large, accept, seconds)[-10:]) == {0}
+    # The small batches' choice is kept: each batch-size range has its own times.
+    assert set(served(controller, small, accept, seconds, steps=5)) == {K}
+
+
+def test_a_request_whose_drafts_are_rejected_drafts_less_than_one_whose_drafts_are_accepted():
+    controller = DraftLengthController(max_k=K, explore_every=0)
+    batch = [f"r{i}" for i in range(8)]
+    accept = {r: K if i < 4 else 0 for i, r in enumerate(batch)}
+
+    def seconds(n, k):  # half the step is fixed, half grows with the tokens
+        return 0.01 + 0.01 * (1 + k) / 4
+
+    served(controller, batch, accept, seconds)
+    k_max, counts = controller.choose(batch)
+    assert k_max > 0
+    assert min(counts[r] for r in batch[:4]) > max(counts[r] for r in batch[4:]), counts
+    assert controller.chain_probabilities("r0")[0] > controller.chain_probabilities("r7")[0]
+
+
+def test_exploration_drafts_a_neighbouring_length_in_full():
+    controller = DraftLengthController(max_k=K, explore_every=4, calibration_rounds=1)
+    batch = ["a", "b"]
+    chosen = served(controller, batch, {"a": 0, "b": 0}, lambda n, k: 0.01 * (1 + k), steps=24)
+    after = chosen[K + 1:]
+    assert 0 in after and 1 in after  # chose 0, and tried 1 now and then
+    # Steps 4, 8, ... of the batch-size range explore: every request drafts in full.
+    controller._steps[StepTimes.bucket(2)] = 3
+    k_max, counts = controller.choose(batch)
+    assert k_max == 1 and set(counts.values()) == {1}
+
+
+def test_min_and_max_bound_every_choice():
+    controller = DraftLengthController(max_k=2, min_k=1, explore_every=3)
+    chosen = served(controller, ["a"], {"a": 0}, lambda n, k: 0.01 * (1 + k))
+    assert set(chosen) == {1, 2}
+    pinned = DraftLengthController(max_k=2, min_k=2)
+    assert set(served(pinned, ["a"], {"a": 0}, lambda n, k: 0.01)) == {2}
+
+
+def test_finished_requests_are_forgotten():
+    controller = DraftLengthController(max_k=K)
+    controller.observe_verification([("gone", 3, 0)])
+    assert controller.chain_probabilities("gone") != controller.chain_probabilities(None)
+    controller.forget_request("gone")
+    assert controller.chain_probabilities("gone") == controller.chain_probabilities(None)
+
+
+def test_acceptance_is_counted_per_position():
+    controller = DraftLengthController(max_k=K, decay=1.0)
+    # Three drafts, two accepted: positions 1 and 2 accepted, 3 tried and rejected.
+    controller.observe_verification([("a", 3, 2)] * 10)
+    rates = controller.position_rates()
+    assert rates[0] > 0.9 and rates[1] > 0.9 and rates[2] < 0.1
+    chain = controller.chain_probabilities("a")
+    assert chain == sorted(chain, reverse=True) and chain[2] < 0.1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_k": 0}, "max_k=0: the draft length must be an integer of at least 1"),
+    ({"max_k": 2, "min_k": 3}, "min_k=3: must be an integer from 0 to max_k=2"),
+    ({"max_k": 2, "min_k": -1}, "min_k=-1: must be an integer from 0 to max_k=2"),
+])
+def test_bad_bounds_are_refused_in_one_line(kwargs, message):
+    with pytest.raises(DraftLengthError) as info:
+        DraftLengthController(**kwargs)
+    assert str(info.value) == message
+
+
+def test_step_times_are_kept_per_batch_size_range():
+    times = StepTimes(weight=0.5)
+    assert [StepTimes.bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+    times.observe(3, 1, 2.0)
+    times.observe(4, 1, 4.0)  # same range as 3: averaged
+    assert times.get(3, 1) == 3.0 and times.get(5, 1) is None
+    times.observe(3, 1, float("nan"))
+    times.observe(3, 1, -1.0)
+    assert times.get(4, 1) == 3.0

@@ -1,0 +1,91 @@
+"""The draft-length controller's vLLM glue: where the config hook installs its scheduler, the
+bounds it checks, and what it reads from a step's output."""
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from ascend_core.config import AscendConfigError  # noqa: E402
+from ascend_core.registry import CONFIG_HOOKS  # noqa: E402
+from ascend_specdec import DRAFT_LENGTH_HOOK, register  # noqa: E402
+from ascend_specdec.vllm.draft_length import (  # noqa: E402
+    SCHEDULER,
+    _verified,
+    full_decode_graphs,
+    install_draft_length_scheduler,
+)
+
+
+def config(k=3, additional=None, dp=1, scheduler_cls=None, per_batch_size=None):
+    spec = None if k is None else SimpleNamespace(
+        num_speculative_tokens=k, num_speculative_tokens_per_batch_size=per_batch_size)
+    return SimpleNamespace(
+        speculative_config=spec, additional_config=additional or {},
+        parallel_config=SimpleNamespace(data_parallel_size=dp),
+        scheduler_config=SimpleNamespace(scheduler_cls=scheduler_cls))
+
+
+def test_register_adds_the_config_hook():
+    register()
+    assert DRAFT_LENGTH_HOOK in CONFIG_HOOKS
+
+
+def test_on_by_default_whenever_a_method_is_configured():
+    vllm_config = config()
+    assert install_draft_length_scheduler(vllm_config)
+    assert vllm_config.scheduler_config.scheduler_cls == SCHEDULER
+    assert not install_draft_length_scheduler(config(k=None))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"additional": {"draft_length_config": {"dynamic": False}}},
+    {"dp": 2},  # ranks would choose different lengths and wait on each other
+    {"scheduler_cls": "my.Scheduler"},
+    {"per_batch_size": [(1, 8, 3), (9, 256, 1)]},  # vLLM's own static schedule
+])
+def test_left_to_vllm(kwargs):
+    vllm_config = config(**kwargs)
+    assert not install_draft_length_scheduler(vllm_config)
+    assert vllm_config.scheduler_config.scheduler_cls == kwargs.get("scheduler_cls")
+
+
+@pytest.mark.parametrize("bounds, message", [
+    ({"max_num_speculative_tokens": 4},
+     "additional_config key 'draft_length_config.max_num_speculative_tokens' is 4, more than "
+     "speculative_config's num_speculative_tokens=3: use at most 3."),
+    ({"min_num_speculative_tokens": 3, "max_num_speculative_tokens": 2},
+     "additional_config key 'draft_length_config.min_num_speculative_tokens' is 3, more than "
+     "the largest draft length 2: use 0 to 2."),
+])
+def test_bounds_beyond_the_configured_length_stop_the_start_in_one_line(bounds, message):
+    with pytest.raises(AscendConfigError) as info:
+        install_draft_length_scheduler(config(additional={"draft_length_config": bounds}))
+    assert str(info.value) == message
+
+
+def test_a_step_reports_drafts_scored_and_accepted_per_request():
+    scheduler_output = SimpleNamespace(
+        scheduled_spec_decode_tokens={"a": [5, 6, 7], "b": [8, 9, -1], "c": [1], "gone": [2]},
+        num_invalid_spec_tokens={"b": 1})
+    runner_output = SimpleNamespace(
+        req_id_to_index={"a": 0, "b": 1, "c": 2, "d": 3},
+        sampled_token_ids=[[5, 6, 0], [8], [], [4]])
+    # a: 3 drafts, 2 accepted (+ the bonus); b: 2 valid drafts, none accepted; c: no token
+    # this step (e.g. a discarded one); "gone" is not in the output; d had no drafts.
+    assert _verified(scheduler_output, runner_output) == [("a", 3, 2), ("b", 2, 0)]
+    assert _verified(SimpleNamespace(scheduled_spec_decode_tokens={}), runner_output) == []
+
+
+def test_full_decode_graphs_keep_the_configured_length():
+    from vllm.config import CUDAGraphMode
+
+    def graphs(mode, eager=False):
+        return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=mode),
+                               model_config=SimpleNamespace(enforce_eager=eager))
+
+    assert full_decode_graphs(graphs(CUDAGraphMode.FULL_DECODE_ONLY))
+    assert not full_decode_graphs(graphs(CUDAGraphMode.FULL_DECODE_ONLY, eager=True))
+    assert not full_decode_graphs(graphs(CUDAGraphMode.PIECEWISE))
+    assert not full_decode_graphs(graphs(CUDAGraphMode.NONE))
