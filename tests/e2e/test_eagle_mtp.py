@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_runs import PROMPTS, run_vllm, start_failure
+from vllm_runs import FIXED_DRAFT_LENGTH, PROMPTS, run_vllm, start_failure
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
 SMALL = 0.005  # weight std of the embedding-dominated models
@@ -62,7 +62,8 @@ def models(llama_dir) -> dict:
 
 def run(model: str, env: dict | None, **llm) -> dict:
     return run_vllm({"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                     "llm": {"disable_log_stats": False, **llm}}, env)
+                     "llm": {"disable_log_stats": False,
+                             "additional_config": FIXED_DRAFT_LENGTH, **llm}}, env)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tiny_medusa import MEDUSA_HEADS, TINY_MEDUSA_BASE, tiny_medusa_options
-from vllm_runs import PROMPTS, run_vllm, start_failure
+from vllm_runs import FIXED_DRAFT_LENGTH, PROMPTS, run_vllm, start_failure
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
 MAX_TOKENS = 64
@@ -29,7 +29,8 @@ def medusa(heads_dir, k=K) -> dict:
 
 def run(model, env=None, **llm) -> dict:
     return run_vllm({"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                     "llm": {"disable_log_stats": False, **llm}}, env)
+                     "llm": {"disable_log_stats": False,
+                             "additional_config": FIXED_DRAFT_LENGTH, **llm}}, env)
 
 
 def acceptance_length(result) -> float:
@@ -123,6 +124,7 @@ def test_served_acceptance_equals_the_trainers_estimate(base_dir, heads_dir):
                        "prompts": [{"prompt_token_ids": ids} for ids in prompts],
                        "max_tokens": report["options"]["continuation_tokens"],
                        "llm": {"disable_log_stats": False, "dtype": report["dtype"],
+                               "additional_config": FIXED_DRAFT_LENGTH,
                                "speculative_config": medusa(heads_dir)}}, HOST)
     served, estimate = acceptance_length(result), report["served"]["acceptance_length"]
     print(f"\nMedusa on {len(prompts)} held-out prompts: served {served:.3f}, trainer's "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_runs import PROMPTS, run_vllm
+from vllm_runs import FIXED_DRAFT_LENGTH, PROMPTS, run_vllm
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
 BASE = {"initializer_range": 0.005}
@@ -31,7 +31,8 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": SUFFIX_K}
 def run(model, max_tokens=MAX_TOKENS, **llm) -> dict:
     return run_vllm({"model": model, "prompts": PROMPTS, "max_tokens": max_tokens,
                      "acceptance_summary": "speculative_config" in llm,
-                     "llm": {"disable_log_stats": False, **llm}}, HOST)
+                     "llm": {"disable_log_stats": False,
+                             "additional_config": FIXED_DRAFT_LENGTH, **llm}}, HOST)
 
 
 @pytest.fixture(scope="module")

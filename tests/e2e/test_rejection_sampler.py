@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_runs import PROMPTS, run_vllm
+from vllm_runs import FIXED_DRAFT_LENGTH, PROMPTS, run_vllm
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
@@ -29,7 +29,8 @@ LOOPING_LLAMA = {"initializer_range": 0.005}
 def run(model, sampling=None, prompts=PROMPTS, **llm) -> dict:
     return run_vllm({"model": model, "prompts": prompts, "max_tokens": MAX_TOKENS,
                      "sampling": sampling or {},
-                     "llm": {"disable_log_stats": False, **llm}}, HOST)
+                     "llm": {"disable_log_stats": False,
+                             "additional_config": FIXED_DRAFT_LENGTH, **llm}}, HOST)
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_runs import run_vllm
+from vllm_runs import FIXED_DRAFT_LENGTH, run_vllm
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
 MAX_TOKENS = 48
 K = 3
 NEAR_TIE = 0.1  # nats
-BF16 = {"dtype": "bfloat16", "disable_log_stats": False, "max_model_len": 1024}
+BF16 = {"dtype": "bfloat16", "disable_log_stats": False, "max_model_len": 1024,
+        "additional_config": FIXED_DRAFT_LENGTH}
 
 
 def run(model, **llm) -> dict:

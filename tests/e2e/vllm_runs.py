@@ -41,6 +41,11 @@ def vllm_environment(env: dict | None) -> dict:
 
 RUN_LLM = HERE / "run_llm.py"
 
+# Speculation at the configured draft length every step, as vLLM does: for the tests that
+# measure a proposer at a fixed length (acceptance lengths, drafts against stock vLLM's, a
+# replay of the drafts). The draft-length controller (on by default) is tested on its own.
+FIXED_DRAFT_LENGTH = {"draft_length_config": {"dynamic": False}}
+
 # Every core this test session may use. Under pytest-xdist each worker pins itself, and so the
 # engines it starts, to one of them (conftest.py): two engines whose OpenMP threads spin on the
 # same two cores slow each other down, and a test process training Medusa heads beside an

@@ -48,6 +48,18 @@ BEHAVIOUR_TESTS = {
         "packages/ascend-specdec/tests/test_vllm_rejection_sampler.py::"
         "test_factory_takes_the_configured_backend",
     ],
+    "draft_length_config.dynamic": [
+        "tests/e2e/test_draft_length.py::test_pinned_length_and_the_switch_off",
+        "packages/ascend-specdec/tests/test_vllm_draft_length.py::test_left_to_vllm",
+    ],
+    "draft_length_config.min_num_speculative_tokens": [
+        "tests/e2e/test_draft_length.py::test_pinned_length_and_the_switch_off",
+        "packages/ascend-specdec/tests/test_draft_length.py::test_min_and_max_bound_every_choice",
+    ],
+    "draft_length_config.max_num_speculative_tokens": [
+        "tests/e2e/test_draft_length.py::test_pinned_length_and_the_switch_off",
+        "tests/e2e/test_draft_length.py::test_a_bound_above_the_configured_length_stops_the_start",
+    ],
     "enable_cpu_binding": [
         "tests/e2e/test_npu_target.py::test_tensor_parallel_2_over_hccl_equals_tp_1",
     ],

@@ -26,7 +26,7 @@ def served(controller, req_ids, accept, seconds, steps=40):
 def test_first_steps_try_every_length_then_drafts_in_full_where_drafts_are_free():
     controller = DraftLengthController(max_k=K, calibration_rounds=2, explore_every=0)
     chosen = served(controller, ["a"], {"a": K}, lambda n, k: 0.01)
-    assert chosen[:8] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert chosen[:8] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert set(chosen[8:]) == {K}
     assert controller.chosen == {k: chosen.count(k) for k in range(K + 1)}
 
@@ -39,7 +39,8 @@ def test_no_drafts_when_none_are_accepted():
 
 def test_the_length_follows_the_batch_size():
     """Small batches: a step costs the same whatever its length (a device's spare compute),
-    so every draft pays. Large batches: each draft token costs as much as a verified one, so
+    so the first draft, accepted half the time, pays; the later ones are never accepted and
+    are not drafted. Large batches: each draft token costs as much as a verified one, so
     drafts accepted half the time lose, and the controller stops drafting there."""
     controller = DraftLengthController(max_k=K, explore_every=0)
     small = [f"s{i}" for i in range(2)]
@@ -50,10 +51,12 @@ def test_the_length_follows_the_batch_size():
     def seconds(n, k):
         return 0.01 if n <= 2 else 0.01 * n * (1 + k) / 64
 
-    assert set(served(controller, small, accept, seconds)[-10:]) == {K}
+    # (A second draft is tried again now and then while its estimate decays to 0.)
+    last = served(controller, small, accept, seconds)[-10:]
+    assert set(last) <= {1, 2} and last.count(1) >= 7, last
     assert set(served(controller, large, accept, seconds)[-10:]) == {0}
     # The small batches' choice is kept: each batch-size range has its own times.
-    assert set(served(controller, small, accept, seconds, steps=5)) == {K}
+    assert set(served(controller, small, accept, seconds, steps=5)) <= {1, 2}
 
 
 def test_a_request_whose_drafts_are_rejected_drafts_less_than_one_whose_drafts_are_accepted():
@@ -120,12 +123,31 @@ def test_bad_bounds_are_refused_in_one_line(kwargs, message):
     assert str(info.value) == message
 
 
+def test_a_step_after_one_of_another_length_is_not_timed():
+    """It verified the other length's drafts: its time is neither length's."""
+    controller = DraftLengthController(max_k=K)
+    controller.observe_step(4, 2, 1.0, verified=3)
+    assert controller.times.get(4, 2) is None
+    controller.observe_step(4, 2, 1.0, verified=2)
+    assert controller.times.get(4, 2) == 1.0
+
+
 def test_step_times_are_kept_per_batch_size_range():
-    times = StepTimes(weight=0.5)
+    times = StepTimes(window=2)
     assert [StepTimes.bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
     times.observe(3, 1, 2.0)
-    times.observe(4, 1, 4.0)  # same range as 3: averaged
-    assert times.get(3, 1) == 3.0 and times.get(5, 1) is None
+    times.observe(4, 1, 4.0)  # same range as 3: the least recent time counts
+    assert times.get(3, 1) == 2.0 and times.get(5, 1) is None
     times.observe(3, 1, float("nan"))
     times.observe(3, 1, -1.0)
-    assert times.get(4, 1) == 3.0
+    assert times.get(4, 1) == 2.0
+    times.observe(4, 1, 5.0)  # 2.0 left the window of two
+    assert times.get(4, 1) == 4.0
+    assert times.table() == {(4, 1): 4.0}
+
+
+def test_requests_that_need_the_full_length_keep_it():
+    controller = DraftLengthController(max_k=K, explore_every=0)
+    served(controller, ["a", "b"], {"a": 0, "b": 0}, lambda n, k: 0.01 * (1 + k))
+    assert controller.choose(["a", "b"]) == (0, {"a": 0, "b": 0})
+    assert controller.choose(["a", "b"], full=["b", "not running"]) == (K, {"a": 0, "b": K})

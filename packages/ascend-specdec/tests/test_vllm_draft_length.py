@@ -89,3 +89,15 @@ def test_full_decode_graphs_keep_the_configured_length():
     assert not full_decode_graphs(graphs(CUDAGraphMode.FULL_DECODE_ONLY, eager=True))
     assert not full_decode_graphs(graphs(CUDAGraphMode.PIECEWISE))
     assert not full_decode_graphs(graphs(CUDAGraphMode.NONE))
+
+
+@pytest.mark.parametrize("params, seeded", [
+    ({"temperature": 0.8, "seed": 7}, True),
+    ({"temperature": 0.8, "seed": None}, False),
+    ({"temperature": 0.0, "seed": 7}, False),  # greedy: the same tokens at any length
+])
+def test_seeded_sampled_requests_keep_the_full_length(params, seeded):
+    from ascend_specdec.vllm.draft_length import _seeded
+
+    assert _seeded(SimpleNamespace(sampling_params=SimpleNamespace(**params))) is seeded
+    assert not _seeded(SimpleNamespace(sampling_params=None))

@@ -14,7 +14,7 @@ which it writes code. Expect plausible standard-library-style Python, not answer
 With ``--medusa`` the demo model is served with its three Medusa heads
 (``models/pycoder-26m-medusa``, self-distilled by ``python -m ascend_specdec.train_medusa`` in
 bf16 on standard-library prompts, committed beside it); the demo prints the mean acceptance
-length the server measured.
+length the server measured and the mean draft length the draft-length controller chose.
 
 With ``--pd`` it starts a prefill and a decode instance (MooncakeConnectorV1 over TCP on
 127.0.0.1, each pinned to its own CPU when there are two) and the proxy, sends the same
@@ -180,9 +180,11 @@ def print_acceptance(url: str) -> None:
     if drafts == 0:
         print("[demo] Medusa: the server reports no drafts", flush=True)
         return
+    # The draft-length controller (on by default) gives each step 0 to k drafts.
     print(f"[demo] Medusa: {int(drafts)} drafts, {int(accepted)} of {int(proposed)} draft "
           f"tokens accepted, mean acceptance length {1 + accepted / drafts:.2f} "
-          f"(k={MEDUSA_HEADS})", flush=True)
+          f"({proposed / drafts:.2f} draft tokens per draft, at most k={MEDUSA_HEADS})",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,17 @@ much as the tokens it would have saved. ``DraftLengthController`` decides online
   new request starts at the global estimate). The chance that a request's first ``j`` drafts
   are all accepted is the product of its rates up to ``j``.
 - **Cost**: the measured time of a decode step, per batch-size range (powers of two) and
-  draft length ``k_max`` (the length the proposer ran and the verification scored), as a
-  moving average. A step's time is far from linear in its tokens (a device is about as fast
-  for 8 tokens as for 1 until its compute fills), so it is measured where it is used rather
-  than extrapolated. The first steps in each range try every allowed length (calibration on
-  the real traffic); afterwards every ``explore_every``-th step there drafts a neighbour of
-  the chosen length in full, so a change in load or acceptance is seen.
-- **Choice**: the length with the most expected tokens per second: each request yields one
-  token plus, for each draft, the chance that it and the ones before it are accepted. Then
+  draft length ``k_max`` (the length the proposer ran and the verification scored): the
+  least of the recent times there (see ``StepTimes``). A step's time is far from linear in
+  its tokens (a device is about as fast for 8 tokens as for 1 until its compute fills), so
+  it is measured where it is used rather than extrapolated. A step verifies the drafts of
+  the step before it, so a time is kept only where both steps had the same length. The
+  first steps in each range try every allowed length a few steps in a row (calibration on
+  the real traffic); afterwards every ``explore_every``-th step there starts two steps of a
+  neighbouring length, drafted in full, so a change in load or acceptance is seen.
+- **Choice**: the length with the most expected tokens per second (the shortest one within
+  ``margin`` of that, so noise in the times buys no drafts): each request yields one token
+  plus, for each draft, the chance that it and the ones before it are accepted. Then
   each request keeps a draft only while that chance is worth its share of the step's extra
   time at the step's rate, so requests whose drafts are rarely accepted draft fewer.
   ``k_max`` is what the proposer drafts; each request's own count is at most that.
@@ -29,6 +32,7 @@ the target distribution for any count. Pure Python: no torch, no vLLM.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -38,11 +42,14 @@ class DraftLengthError(ValueError):
 
 
 class StepTimes:
-    """Moving averages of decode-step seconds per (batch-size range, draft length)."""
+    """Decode-step seconds per (batch-size range, draft length): the least of the last
+    ``window`` steps there. Interference (another process, a page fault, the first step's
+    warm-up) only ever adds time, so the least recent time is the step's own cost; old
+    times leave the window, so a lasting change is followed."""
 
-    def __init__(self, weight: float = 0.2) -> None:
-        self.weight = weight
-        self._seconds: dict[tuple[int, int], float] = {}
+    def __init__(self, window: int = 8) -> None:
+        self.window = window
+        self._seconds: dict[tuple[int, int], deque[float]] = {}
 
     @staticmethod
     def bucket(num_requests: int) -> int:
@@ -53,11 +60,15 @@ class StepTimes:
         if num_requests <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         key = (self.bucket(num_requests), k_max)
-        old = self._seconds.get(key)
-        self._seconds[key] = seconds if old is None else old + self.weight * (seconds - old)
+        self._seconds.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
     def get(self, num_requests: int, k_max: int) -> float | None:
-        return self._seconds.get((self.bucket(num_requests), k_max))
+        recent = self._seconds.get((self.bucket(num_requests), k_max))
+        return min(recent) if recent else None
+
+    def table(self) -> dict[tuple[int, int], float]:
+        """``{(batch-size range, length): seconds}`` for every length measured."""
+        return {key: min(recent) for key, recent in sorted(self._seconds.items())}
 
 
 @dataclass
@@ -74,7 +85,8 @@ class DraftLengthController:
 
     def __init__(self, max_k: int, min_k: int = 0, *, decay: float = 0.995,
                  request_prior: float = 4.0, explore_every: int = 16,
-                 calibration_rounds: int = 2, weight: float = 0.2) -> None:
+                 calibration_rounds: int = 3, window: int = 8,
+                 margin: float = 0.03) -> None:
         if not isinstance(max_k, int) or max_k < 1:
             raise DraftLengthError(
                 f"max_k={max_k!r}: the draft length must be an integer of at least 1")
@@ -83,8 +95,8 @@ class DraftLengthController:
                 f"min_k={min_k!r}: must be an integer from 0 to max_k={max_k}")
         self.max_k, self.min_k = max_k, min_k
         self.decay, self.request_prior = decay, request_prior
-        self.explore_every = explore_every
-        self.times = StepTimes(weight)
+        self.explore_every, self.margin = explore_every, margin
+        self.times = StepTimes(window)
         self.calibration_rounds = calibration_rounds
         # Global per position (1-based j at index j-1), one accepted of two tried to start.
         self._positions = [_Counts(2.0, 1.0) for _ in range(max_k)]
@@ -115,9 +127,12 @@ class DraftLengthController:
             own.tried += min(accepted + 1, drafts)
             own.accepted += accepted
 
-    def observe_step(self, num_requests: int, k_max: int, seconds: float) -> None:
-        """A decode step's wall time, its number of requests and the length it drafted."""
-        self.times.observe(num_requests, k_max, seconds)
+    def observe_step(self, num_requests: int, k_max: int, seconds: float,
+                     verified: int | None = None) -> None:
+        """A decode step's wall time, its number of requests, the length it drafted and the
+        length of the drafts it verified (the previous step's; None: the same)."""
+        if verified is None or verified == k_max:
+            self.times.observe(num_requests, k_max, seconds)
 
     def forget_request(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -150,15 +165,29 @@ class DraftLengthController:
 
     # ------------------------------------------------------------------ the choice
 
-    def choose(self, req_ids: list[str]) -> tuple[int, dict[str, int]]:
-        """``(k_max, {request id: count})`` for the next step of these decoding requests."""
+    def choose(self, req_ids: list[str], full: Iterable[str] = ()
+               ) -> tuple[int, dict[str, int]]:
+        """``(k_max, {request id: count})`` for the next step of these decoding requests;
+        those in ``full`` draft ``max_k`` whatever the choice, and so the proposer too (a
+        seeded sampled request: which random draws verify its drafts depends on how many it
+        has, so only a fixed count gives the same tokens from run to run)."""
+        k_max, counts = self._choose(req_ids)
+        full = [r for r in full if r in counts]
+        if full:
+            k_max = self.max_k
+            counts.update((r, self.max_k) for r in full)
+        self.chosen[k_max] = self.chosen.get(k_max, 0) + 1
+        return k_max, counts
+
+    def _choose(self, req_ids: list[str]) -> tuple[int, dict[str, int]]:
         if not req_ids:
             return self.min_k, {}
         bucket = StepTimes.bucket(len(req_ids))
         steps = self._steps[bucket] = self._steps.get(bucket, 0) + 1
+        # Lengths still to run in this range: calibration at first, then explorations.
         todo = self._calibration.setdefault(bucket, [
-            k for _ in range(self.calibration_rounds)
-            for k in range(self.min_k, self.max_k + 1)])
+            k for k in range(self.min_k, self.max_k + 1)
+            for _ in range(self.calibration_rounds)])
         chains = {r: self.chain_probabilities(r) for r in req_ids}
         if todo:
             k_max = todo.pop(0)
@@ -167,17 +196,21 @@ class DraftLengthController:
             rates = {k: self._expected(chains, k) / self.times.get(len(req_ids), k)
                      for k in range(self.min_k, self.max_k + 1)
                      if self.times.get(len(req_ids), k)}
-            k_max = max(rates, key=lambda k: (rates[k], -k)) if rates else self.max_k
+            # The shortest length within ``margin`` of the best: drafting on noise costs.
+            best = max(rates.values(), default=0.0)
+            k_max = min((k for k, r in rates.items() if r >= best / (1 + self.margin)),
+                        default=self.max_k)
             if self.explore_every and steps % self.explore_every == 0:
-                # A neighbouring length, drafted in full by every request: its time and its
-                # acceptance are measured, not inferred from a choice that avoids them.
+                # A neighbouring length for two steps (the second one is timed), drafted in
+                # full by every request: its time and its acceptance are measured, not
+                # inferred from a choice that avoids them.
                 up = k_max < self.max_k and (
                     (steps // self.explore_every) % 2 == 1 or k_max == self.min_k)
                 k_max = k_max + 1 if up else max(k_max - 1, self.min_k)
+                todo.append(k_max)
                 counts = {r: k_max for r in req_ids}
             else:
                 counts = self._per_request(chains, k_max, len(req_ids))
-        self.chosen[k_max] = self.chosen.get(k_max, 0) + 1
         return k_max, counts
 
     def _expected(self, chains: Mapping[str, list[float]], k: int) -> float:

@@ -51,17 +51,20 @@ class DraftLengthMixin:
         self.dynamic_sd_lookup = _FromController(self.draft_controller.max_k)
         self._counts: dict[str, int] = {}
         self._decode_only = False
-        # Per decode-only step in flight: when it was scheduled and how many requests it has.
-        self._decode_steps: dict[int, tuple[float, int]] = {}
+        self._last_k = self.draft_controller.max_k  # the length the last step drafted
+        # Per decode-only step in flight: when it was scheduled, how many requests it has
+        # and the length of the drafts it verifies.
+        self._decode_steps: dict[int, tuple[float, int, int]] = {}
         logger.info("draft length: chosen every step from %d to %d draft tokens "
                     "(ascend_specdec.draft_length)", self.draft_controller.min_k,
                     self.draft_controller.max_k)
 
     def schedule(self, *args: Any, **kwargs: Any):
-        start = time.perf_counter()
+        start, verified = time.perf_counter(), self._last_k
         output = super().schedule(*args, **kwargs)
         if self._decode_only:
-            self._decode_steps[id(output)] = (start, len(output.num_scheduled_tokens))
+            self._decode_steps[id(output)] = (start, len(output.num_scheduled_tokens),
+                                              verified)
         return output
 
     def _update_after_schedule(self, scheduler_output) -> None:
@@ -71,18 +74,18 @@ class DraftLengthMixin:
         # Steps with prefill chunks are not timed: their time is the prefill's.
         self._decode_only = bool(decoding) and len(decoding) == len(
             scheduler_output.num_scheduled_tokens)
-        k_max, self._counts = self.draft_controller.choose(decoding)
-        scheduler_output.num_spec_tokens_to_schedule = k_max
+        seeded = [req_id for req_id in decoding if _seeded(self.requests[req_id])]
+        k_max, self._counts = self.draft_controller.choose(decoding, full=seeded)
+        scheduler_output.num_spec_tokens_to_schedule = self._last_k = k_max
         super()._update_after_schedule(scheduler_output)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         step = self._decode_steps.pop(id(scheduler_output), None)
         if step is not None:
-            # Its time covers verifying the drafts it brought and drafting k_max new ones,
-            # as every decode step at that length does.
+            # Its time covers verifying the drafts it brought and drafting k_max new ones.
             self.draft_controller.observe_step(
                 step[1], scheduler_output.num_spec_tokens_to_schedule,
-                time.perf_counter() - step[0])
+                time.perf_counter() - step[0], verified=step[2])
         self.draft_controller.observe_verification(
             _verified(scheduler_output, model_runner_output))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -98,6 +101,12 @@ class DraftLengthMixin:
             for req_id, drafts in zip(draft_token_ids.req_ids,
                                       draft_token_ids.draft_token_ids, strict=True)]
         super().update_draft_token_ids(draft_token_ids)
+
+
+def _seeded(request) -> bool:
+    """A sampled request with its own seed: it keeps the configured draft length."""
+    params = request.sampling_params
+    return params is not None and params.seed is not None and params.temperature > 0
 
 
 def _verified(scheduler_output, model_runner_output):

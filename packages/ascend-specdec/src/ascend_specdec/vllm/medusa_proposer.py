@@ -99,6 +99,8 @@ class AscendMedusaProposer(MedusaProposer):
         if self.model is None:
             raise RuntimeError("AscendMedusaProposer.propose before load_model")
         hidden = target_hidden_states.to(self.dtype)
+        if num_speculative_tokens == 0:  # the draft-length controller chose none this step
+            return torch.empty((hidden.shape[0], 0), dtype=torch.long, device=hidden.device)
         return self.model.propose(hidden, num_speculative_tokens, self._gather)
 
     @torch.inference_mode()
