@@ -13,6 +13,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 
 import nox
 
@@ -21,7 +22,8 @@ PACKAGES = ROOT / "packages"
 # The committed demo model (tools/train_demo_model.py); installed packages find it through this.
 DEMO_MODEL_ENV = {"ASCEND_PLUGIN_DEMO_MODEL": str(ROOT / "models" / "pycoder-26m")}
 
-nox.options.sessions = ["lint", "tests", "core", "plugin", "e2e", "install"]
+# `checks` runs lint, tests, core and plugin two at a time; e2e uses both cores by itself.
+nox.options.sessions = ["checks", "e2e", "install"]
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 
@@ -107,18 +109,24 @@ def _share(session: nox.Session, name: str, requirements: list[str],
     holds only the packages of ours that it declares. A changed requirement list makes it
     anew; CI's venv clean-up leaves it for the next session.
     """
+    import fcntl
+
     shared = ROOT / ".nox" / f"_{name}-py{session.python}"
     stamp = shared / "INSTALLED"
     wanted = "\n".join([*requirements, *(f"-{dist}" for dist in drop)]) + "\n"
-    if not stamp.exists() or stamp.read_text() != wanted:
-        shutil.rmtree(shared, ignore_errors=True)
-        session.run("python", "-m", "pip", "install", "-q", "--target", str(shared),
-                    *requirements)
-        for dist in drop:  # its package folder, dist-info and bundled libraries
-            for path in shared.glob(f"{dist}[-.]*"):
-                shutil.rmtree(path, ignore_errors=True)
-            shutil.rmtree(shared / dist, ignore_errors=True)
-        stamp.write_text(wanted)
+    shared.parent.mkdir(parents=True, exist_ok=True)
+    # Sessions run two at a time (`checks`): one makes the install, the other waits for it.
+    with open(shared.parent / f"_{name}-py{session.python}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stamp.exists() or stamp.read_text() != wanted:
+            shutil.rmtree(shared, ignore_errors=True)
+            session.run("python", "-m", "pip", "install", "-q", "--target", str(shared),
+                        *requirements)
+            for dist in drop:  # its package folder, dist-info and bundled libraries
+                for path in shared.glob(f"{dist}[-.]*"):
+                    shutil.rmtree(path, ignore_errors=True)
+                shutil.rmtree(shared / dist, ignore_errors=True)
+            stamp.write_text(wanted)
     site = session.run("python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
                        silent=True).strip()
     pathlib.Path(site, f"_shared_{name}.pth").write_text(str(shared) + "\n")
@@ -156,8 +164,24 @@ def _install_local_when_changed(session: nox.Session, *requirements: str) -> Non
     stamp.write_text(digest.hexdigest())
 
 
+LEAVES = ["ascend-kernels", "ascend-quant", "ascend-specdec", "ascend-eplb"]
+
+
+@nox.session(python=False)
+def checks(session: nox.Session) -> None:
+    """lint, tests (both Pythons), core and plugin: each its own nox session in its own venv,
+    two at a time (a session is mostly one core's pip and pytest; one after another they
+    took 14 of the run's minutes on 2 cores). Longest first; outputs whole, in this order."""
+    names = ["core", "plugin", "tests-3.12(package='ascend-kernels')",
+             "tests-3.11(package='ascend-kernels')",
+             *(f"tests-{python}(package='{leaf}')" for leaf in LEAVES[1:] for python in PYTHONS),
+             "lint"]
+    _run_two_at_a_time(session, [[sys.executable, "-m", "nox", "-s", name] for name in names],
+                       in_venv=False)
+
+
 @nox.session(python=PYTHONS)
-@nox.parametrize("package", ["ascend-kernels", "ascend-quant", "ascend-specdec", "ascend-eplb"])
+@nox.parametrize("package", LEAVES)
 @_frees_its_venv_on_ci
 def tests(session: nox.Session, package: str) -> None:
     """Unit tests of the packages that need no vLLM, on every Python we support."""
@@ -225,14 +249,17 @@ def e2e(session: nox.Session) -> None:
     _run_two_at_a_time(session, commands)
 
 
-def _run_two_at_a_time(session: nox.Session, commands: list[list[str]]) -> None:
-    """Run the venv's ``commands`` two at a time (each is mostly one core's importing of vLLM),
-    print each one's output whole once it ends, and fail the session if any failed."""
+def _run_two_at_a_time(session: nox.Session, commands: list[list[str]],
+                       in_venv: bool = True) -> None:
+    """Run ``commands`` (``in_venv``: programs of the session's venv) two at a time (each is
+    mostly one core's work), print each one's output whole once it ends, in order, and fail
+    the session if any failed."""
     from concurrent.futures import ThreadPoolExecutor
 
     def run(command: list[str]) -> subprocess.CompletedProcess:
-        program = os.path.join(session.bin, command[0])
-        return subprocess.run([program, *command[1:]], capture_output=True, text=True)
+        program = os.path.join(session.bin, command[0]) if in_venv else command[0]
+        return subprocess.run([program, *command[1:]], capture_output=True, text=True,
+                              cwd=ROOT)
 
     failed = []
     with ThreadPoolExecutor(max_workers=2) as pool:

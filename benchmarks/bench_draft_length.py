@@ -1,0 +1,222 @@
+"""Speculation under load through ``vllm serve`` on the host target: no speculation, a fixed
+draft length k = 3, and the draft-length controller (ascend-specdec, the default), per method.
+
+The trained demo model (pycoder-26m) in bf16; methods: n-gram, the demo's Medusa heads, and an
+EAGLE draft of random weights (a drafter whose drafts are almost never accepted: what a
+wrong or stale draft model looks like to a server). Every server is up at once on the same
+cores and the load is taken in turns (A B C ... A B C), so each round of a load level saw the
+same machine. A round sends N streamed greedy completions of held-out prompts at once
+(N = 1, 4, 16, 64; ``max_tokens`` 64, end of sequence ignored); before the counted rounds each
+server gets one uncounted round at that N (first requests pay one-off costs, and the
+controller calibrates each batch-size range on its first steps there). Per setup and N:
+output throughput (tokens over the round's wall time, median of rounds), time to first token
+and inter-token latency (medians over requests). Acceptance from vLLM's ``/metrics`` over all
+rounds: mean acceptance length and mean draft length (draft tokens per draft).
+
+Pass line (issue 14): at every N, dynamic's throughput at least 0.95x the better of no
+speculation and fixed k = 3 for the same method.
+
+Results: ``benchmarks/results/draft_length.json`` and ``draft_length.md``.
+
+    python benchmarks/bench_draft_length.py [--rounds 3] [--methods ngram,medusa,eagle]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import host_machine  # beside this script
+
+RESULTS = Path(__file__).parent / "results"
+CONCURRENCY = (1, 4, 16, 64)
+MAX_TOKENS = 64
+K = 3
+COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens")
+
+
+def speculative_config(method: str, model: str) -> dict:
+    from ascend_plugin.demo_model import demo_medusa_dir
+    from ascend_plugin.tiny_drafts import ensure_eagle_draft
+
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 4}
+    if method == "medusa":
+        return {"method": "medusa", "model": str(demo_medusa_dir()), "num_speculative_tokens": K}
+    if method == "eagle":
+        return {"method": "eagle", "model": str(ensure_eagle_draft(model, std=0.02)),
+                "num_speculative_tokens": K}
+    raise SystemExit(f"unknown method {method!r}: use ngram, medusa or eagle")
+
+
+def setups(methods: list[str], model: str) -> dict[str, list[str]]:
+    """Setup name -> extra ``vllm serve`` arguments."""
+    base = ["--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "64"]
+    result = {"no speculation": base}
+    for method in methods:
+        spec = ["--speculative-config", json.dumps(speculative_config(method, model))]
+        fixed = {"draft_length_config": {"dynamic": False}}
+        result[f"{method} k={K}"] = [*base, *spec, "--additional-config", json.dumps(fixed)]
+        result[f"{method} dynamic"] = [*base, *spec]
+    return result
+
+
+async def one_round(url: str, model: str, prompts: list[str]) -> dict:
+    import httpx
+
+    async def one(client, prompt: str) -> dict:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        sent = time.perf_counter()
+        arrivals, tokens = [], 0
+        async with client.stream("POST", url + "/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                raise RuntimeError(f"{url}: HTTP {reply.status_code}")
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if event.get("choices") and event["choices"][0].get("text"):
+                    arrivals.append(time.perf_counter())
+        ttft = arrivals[0] - sent
+        # Arrivals are chunks (a step that accepts drafts sends several tokens at once).
+        itl = (arrivals[-1] - arrivals[0]) / (tokens - 1) if tokens > 1 else 0.0
+        return {"ttft": ttft, "itl": itl, "tokens": tokens}
+
+    limits = httpx.Limits(max_connections=len(prompts))
+    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(client, p) for p in prompts))
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "tokens": sum(r["tokens"] for r in results),
+            "ttft": [r["ttft"] for r in results], "itl": [r["itl"] for r in results]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="counted rounds per setup and N")
+    parser.add_argument("--methods", default="ngram,medusa,eagle")
+    args = parser.parse_args()
+    from ascend_plugin.demo_model import demo_model_dir, held_out_prompts
+    from ascend_plugin.serving import counter_totals, running_server
+
+    model = str(demo_model_dir())
+    base = held_out_prompts(28, 300)
+    prompts = [base[i % len(base)][: 300 - 60 * (i // len(base))]
+               for i in range(max(CONCURRENCY))]
+    chosen = setups(args.methods.split(","), model)
+    logs = tempfile.mkdtemp(prefix="bench-draft-length-")
+    print(f"[bench_draft_length] starting {len(chosen)} servers (logs in {logs})", flush=True)
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(running_server(
+                    model, extra_args=extra, log_path=f"{logs}/{index}.log"))
+                for index, (name, extra) in enumerate(chosen.items())}
+        rounds = {(name, n): [] for n in CONCURRENCY for name in urls}
+        for n in CONCURRENCY:
+            for url in urls.values():
+                asyncio.run(one_round(url, model, prompts[:n]))
+            for index in range(args.rounds):
+                for name, url in urls.items():
+                    result = asyncio.run(one_round(url, model, prompts[:n]))
+                    rounds[(name, n)].append(result)
+                    print(f"[bench_draft_length] N={n} round {index + 1}/{args.rounds} "
+                          f"{name}: {result['tokens'] / result['seconds']:.0f} tok/s",
+                          flush=True)
+        counters = {name: counter_totals(url, COUNTERS) for name, url in urls.items()
+                    if name != "no speculation"}
+    results = {
+        "machine": host_machine.describe(),
+        "load": {"concurrency": list(CONCURRENCY), "max_tokens": MAX_TOKENS,
+                 "rounds": args.rounds, "k": K},
+        "setups": {name: {str(n): summary(rounds[(name, n)]) for n in CONCURRENCY}
+                   for name in urls},
+        "acceptance": {name: acceptance(c) for name, c in counters.items()},
+    }
+    results["pass_line"] = pass_line(results, args.methods.split(","))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "draft_length.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "draft_length.md").write_text(markdown(results))
+    print((RESULTS / "draft_length.md").read_text())
+    return 0
+
+
+def summary(runs: list[dict]) -> dict:
+    return {"throughput_tok_s": statistics.median(r["tokens"] / r["seconds"] for r in runs),
+            "rounds_tok_s": [r["tokens"] / r["seconds"] for r in runs],
+            "ttft_50_ms": 1000 * statistics.median(x for r in runs for x in r["ttft"]),
+            "itl_50_ms": 1000 * statistics.median(x for r in runs for x in r["itl"])}
+
+
+def acceptance(counters: dict) -> dict:
+    drafts, proposed, accepted = (counters[name] for name in COUNTERS)
+    return {"drafts": drafts,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "mean_draft_length": proposed / drafts if drafts else None}
+
+
+def pass_line(results: dict, methods: list[str]) -> dict:
+    """Per method and N: dynamic over the better of no speculation and fixed k."""
+    setups_ = results["setups"]
+    line = {}
+    for method in methods:
+        for n in map(str, CONCURRENCY):
+            best = max(setups_["no speculation"][n]["throughput_tok_s"],
+                       setups_[f"{method} k={K}"][n]["throughput_tok_s"])
+            ratio = setups_[f"{method} dynamic"][n]["throughput_tok_s"] / best
+            line[f"{method} @ {n}"] = {"dynamic_over_best": ratio, "passes": ratio >= 0.95}
+    return line
+
+
+def markdown(results: dict) -> str:
+    load = results["load"]
+    lines = [
+        "# Speculation under load: no speculation, fixed k, and the draft-length controller "
+        "(host target, `vllm serve`)",
+        "",
+        f"Machine: {results['machine']}. Written by `benchmarks/bench_draft_length.py`.",
+        "",
+        f"pycoder-26m in bf16; a round sends N streamed greedy completions of held-out "
+        f"prompts at once ({load['max_tokens']} tokens each); {load['rounds']} counted rounds "
+        "per setup and N (after one uncounted), taken in turns with every server up on the "
+        "same cores. Throughput: median of rounds; TTFT and ITL: medians over requests.",
+        "",
+        "| setup | " + " | ".join(f"N={n} tok/s" for n in load["concurrency"])
+        + " | " + " | ".join(f"N={n} TTFT / ITL ms" for n in load["concurrency"]) + " |",
+        "|---|" + "---|" * (2 * len(load["concurrency"])),
+    ]
+    for name, per_n in results["setups"].items():
+        tput = " | ".join(f"{per_n[str(n)]['throughput_tok_s']:.0f}"
+                          for n in load["concurrency"])
+        lat = " | ".join(f"{per_n[str(n)]['ttft_50_ms']:.0f} / {per_n[str(n)]['itl_50_ms']:.1f}"
+                         for n in load["concurrency"])
+        lines.append(f"| {name} | {tput} | {lat} |")
+    lines += ["", "Acceptance over all rounds (vLLM's `/metrics`):", "",
+              "| setup | mean acceptance length | mean draft length |", "|---|---|---|"]
+    for name, a in results["acceptance"].items():
+        if a["drafts"]:
+            lines.append(f"| {name} | {a['mean_acceptance_length']:.2f} | "
+                         f"{a['mean_draft_length']:.2f} |")
+        else:
+            lines.append(f"| {name} | no drafts | 0 |")
+    lines += ["", "Pass line: dynamic's throughput over the better of no speculation and "
+              f"k={load['k']} (goal: at least 0.95):", ""]
+    for key, p in results["pass_line"].items():
+        lines.append(f"- {key}: {p['dynamic_over_best']:.2f}"
+                     + ("" if p["passes"] else " (below the line)"))
+    lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
