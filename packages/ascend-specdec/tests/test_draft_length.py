@@ -151,3 +151,9 @@ def test_requests_that_need_the_full_length_keep_it():
     served(controller, ["a", "b"], {"a": 0, "b": 0}, lambda n, k: 0.01 * (1 + k))
     assert controller.choose(["a", "b"]) == (0, {"a": 0, "b": 0})
     assert controller.choose(["a", "b"], full=["b", "not running"]) == (K, {"a": 0, "b": K})
+
+
+def test_a_step_without_decoding_requests_chooses_nothing_and_is_not_counted():
+    controller = DraftLengthController(max_k=K, min_k=1)
+    assert controller.choose([]) == (1, {})
+    assert sum(controller.chosen.values()) == 0

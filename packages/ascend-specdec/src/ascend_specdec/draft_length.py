@@ -171,6 +171,8 @@ class DraftLengthController:
         those in ``full`` draft ``max_k`` whatever the choice, and so the proposer too (a
         seeded sampled request: which random draws verify its drafts depends on how many it
         has, so only a fixed count gives the same tokens from run to run)."""
+        if not req_ids:
+            return self.min_k, {}
         k_max, counts = self._choose(req_ids)
         full = [r for r in full if r in counts]
         if full:
@@ -180,8 +182,6 @@ class DraftLengthController:
         return k_max, counts
 
     def _choose(self, req_ids: list[str]) -> tuple[int, dict[str, int]]:
-        if not req_ids:
-            return self.min_k, {}
         bucket = StepTimes.bucket(len(req_ids))
         steps = self._steps[bucket] = self._steps.get(bucket, 0) + 1
         # Lengths still to run in this range: calibration at first, then explorations.
