@@ -43,8 +43,8 @@ def engine_main(args: dict) -> None:
     if controller is not None:
         result["chosen"] = {str(k): n for k, n in controller.chosen.items()}
         result["position_rates"] = controller.position_rates()
-        result["step_ms"] = {f"{n}x{k}": round(1e3 * t, 2)
-                             for (n, k), t in controller.times.table().items()}
+        result["steps"] = {f"{n}x{k}": f"{1e3 * t:.1f} ms, {rate:.0f} tok/s"
+                           for (n, k), (t, rate) in controller.times.table().items()}
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -98,8 +98,8 @@ def test_greedy_tokens_equal_no_speculation_at_batch_1_8_and_64(plain, dynamic, 
         assert result["token_ids"][str(batch)] == plain["token_ids"][str(batch)], batch
     chosen = {int(k): n for k, n in result["chosen"].items()}
     print(f"\n{method}: lengths chosen {chosen}, per-position acceptance "
-          f"{[round(r, 2) for r in result['position_rates']]}, step ms (requests x length) "
-          f"{result['step_ms']}")
+          f"{[round(r, 2) for r in result['position_rates']]}, steps (requests x length) "
+          f"{result['steps']}")
     assert set(chosen) == set(range(K + 1))
     # Every decode step chose: at least the calibration of each batch-size range.
     assert sum(chosen.values()) >= MAX_TOKENS * len(BATCHES) // (K + 1)

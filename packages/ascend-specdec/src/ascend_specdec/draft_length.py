@@ -9,21 +9,23 @@ much as the tokens it would have saved. ``DraftLengthController`` decides online
   own rate compares with the global one (a few pseudo-observations of the global rate, so a
   new request starts at the global estimate). The chance that a request's first ``j`` drafts
   are all accepted is the product of its rates up to ``j``.
-- **Cost**: the measured time of a decode step, per batch-size range (powers of two) and
-  draft length ``k_max`` (the length the proposer ran and the verification scored): the
-  least of the recent times there (see ``StepTimes``). A step's time is far from linear in
-  its tokens (a device is about as fast for 8 tokens as for 1 until its compute fills), so
-  it is measured where it is used rather than extrapolated. A step verifies the drafts of
-  the step before it, so a time is kept only where both steps had the same length. The
-  first steps in each range try every allowed length a few steps in a row (calibration on
-  the real traffic); afterwards every ``explore_every``-th step there starts two steps of a
-  neighbouring length, drafted in full, so a change in load or acceptance is seen.
-- **Choice**: the length with the most expected tokens per second (the shortest one within
-  ``margin`` of that, so noise in the times buys no drafts): each request yields one token
-  plus, for each draft, the chance that it and the ones before it are accepted. Then
-  each request keeps a draft only while that chance is worth its share of the step's extra
-  time at the step's rate, so requests whose drafts are rarely accepted draft fewer.
-  ``k_max`` is what the proposer drafts; each request's own count is at most that.
+- **Cost and yield, measured**: per batch-size range (powers of two) and draft length
+  ``k_max`` (the length the proposer ran and the verification scored), the recent decode
+  steps' times and the tokens they emitted (see ``StepTimes``). A step's time is far from
+  linear in its tokens (a device is about as fast for 8 tokens as for 1 until its compute
+  fills), and what a length yields depends on whether the proposer finds drafts at all
+  (n-gram, suffix), so both are measured where they are used rather than modelled. A step
+  verifies the drafts of the step before it, so a step is kept only where both steps had the
+  same length. The first steps in each range try every allowed length a few steps in a row
+  (calibration on the real traffic); afterwards every ``explore_every``-th step there starts
+  two steps of a neighbouring length, drafted in full, so a change in load or acceptance is
+  seen.
+- **Choice**: the length with the most tokens per second measured in this batch-size range
+  (the shortest one within ``margin`` of it, so noise buys no drafts). Then each request
+  keeps a draft only while the chance that it and the ones before it are accepted (the
+  acceptance estimates above) is worth its share of the step's extra time at the step's
+  rate, so requests whose drafts are rarely accepted draft fewer. ``k_max`` is what the
+  proposer drafts; each request's own count is at most that.
 
 Greedy outputs do not depend on the count (verification is exact); the sampled path keeps
 the target distribution for any count. Pure Python: no torch, no vLLM.
@@ -42,33 +44,39 @@ class DraftLengthError(ValueError):
 
 
 class StepTimes:
-    """Decode-step seconds per (batch-size range, draft length): the least of the last
-    ``window`` steps there. Interference (another process, a page fault, the first step's
-    warm-up) only ever adds time, so the least recent time is the step's own cost; old
-    times leave the window, so a lasting change is followed."""
+    """Decode steps per (batch-size range, draft length): the last ``window`` steps' seconds
+    and tokens emitted (accepted drafts and the bonus token), for the range's mean step time
+    and its rate of tokens per second."""
 
     def __init__(self, window: int = 8) -> None:
         self.window = window
-        self._seconds: dict[tuple[int, int], deque[float]] = {}
+        self._steps: dict[tuple[int, int], deque[tuple[float, int]]] = {}
 
     @staticmethod
     def bucket(num_requests: int) -> int:
         """The batch-size range: the next power of two at or above ``num_requests``."""
         return 1 << max(num_requests - 1, 0).bit_length()
 
-    def observe(self, num_requests: int, k_max: int, seconds: float) -> None:
+    def observe(self, num_requests: int, k_max: int, seconds: float, tokens: int) -> None:
         if num_requests <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         key = (self.bucket(num_requests), k_max)
-        self._seconds.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        self._steps.setdefault(key, deque(maxlen=self.window)).append((seconds, tokens))
 
-    def get(self, num_requests: int, k_max: int) -> float | None:
-        recent = self._seconds.get((self.bucket(num_requests), k_max))
-        return min(recent) if recent else None
+    def seconds(self, num_requests: int, k_max: int) -> float | None:
+        steps = self._steps.get((self.bucket(num_requests), k_max))
+        return sum(s for s, _ in steps) / len(steps) if steps else None
 
-    def table(self) -> dict[tuple[int, int], float]:
-        """``{(batch-size range, length): seconds}`` for every length measured."""
-        return {key: min(recent) for key, recent in sorted(self._seconds.items())}
+    def rate(self, num_requests: int, k_max: int) -> float | None:
+        """Tokens emitted per second over the recent steps, or None before any."""
+        steps = self._steps.get((self.bucket(num_requests), k_max))
+        return sum(t for _, t in steps) / sum(s for s, _ in steps) if steps else None
+
+    def table(self) -> dict[tuple[int, int], tuple[float, float]]:
+        """``{(batch-size range, length): (mean seconds, tokens per second)}``."""
+        return {key: (sum(s for s, _ in steps) / len(steps),
+                      sum(t for _, t in steps) / sum(s for s, _ in steps))
+                for key, steps in sorted(self._steps.items())}
 
 
 @dataclass
@@ -127,12 +135,13 @@ class DraftLengthController:
             own.tried += min(accepted + 1, drafts)
             own.accepted += accepted
 
-    def observe_step(self, num_requests: int, k_max: int, seconds: float,
+    def observe_step(self, num_requests: int, k_max: int, seconds: float, tokens: int,
                      verified: int | None = None) -> None:
-        """A decode step's wall time, its number of requests, the length it drafted and the
-        length of the drafts it verified (the previous step's; None: the same)."""
+        """A decode step's wall time, its number of requests, the length it drafted, the
+        tokens it emitted and the length of the drafts it verified (the previous step's;
+        None: the same)."""
         if verified is None or verified == k_max:
-            self.times.observe(num_requests, k_max, seconds)
+            self.times.observe(num_requests, k_max, seconds, tokens)
 
     def forget_request(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -193,9 +202,9 @@ class DraftLengthController:
             k_max = todo.pop(0)
             counts = {r: k_max for r in req_ids}
         else:
-            rates = {k: self._expected(chains, k) / self.times.get(len(req_ids), k)
+            rates = {k: self.times.rate(len(req_ids), k)
                      for k in range(self.min_k, self.max_k + 1)
-                     if self.times.get(len(req_ids), k)}
+                     if self.times.rate(len(req_ids), k)}
             # The shortest length within ``margin`` of the best: drafting on noise costs.
             best = max(rates.values(), default=0.0)
             k_max = min((k for k, r in rates.items() if r >= best / (1 + self.margin)),
@@ -213,21 +222,17 @@ class DraftLengthController:
                 counts = self._per_request(chains, k_max, len(req_ids))
         return k_max, counts
 
-    def _expected(self, chains: Mapping[str, list[float]], k: int) -> float:
-        """Expected tokens a step yields when every request drafts ``k``."""
-        return sum(1.0 + sum(chain[:k]) for chain in chains.values())
-
     def _per_request(self, chains: Mapping[str, list[float]], k_max: int, batch: int
                      ) -> dict[str, int]:
         """Each request's drafts, in order, while a draft's chance of acceptance is worth
         the time it adds: the step's extra time per draft at ``k_max`` over the base length,
         at the step's rate of tokens per second."""
         counts = {r: k_max for r in chains}
-        base, full = self.times.get(batch, self.min_k), self.times.get(batch, k_max)
+        base, full = self.times.seconds(batch, self.min_k), self.times.seconds(batch, k_max)
         if k_max <= self.min_k or not base or not full or full <= base:
             return counts
         per_draft = (full - base) / (batch * (k_max - self.min_k))
-        rate = self._expected(chains, k_max) / full
+        rate = self.times.rate(batch, k_max)
         for r, chain in chains.items():
             keep = self.min_k
             while keep < k_max and chain[keep] >= per_draft * rate:

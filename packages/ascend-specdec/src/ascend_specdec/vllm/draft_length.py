@@ -85,7 +85,8 @@ class DraftLengthMixin:
             # Its time covers verifying the drafts it brought and drafting k_max new ones.
             self.draft_controller.observe_step(
                 step[1], scheduler_output.num_spec_tokens_to_schedule,
-                time.perf_counter() - step[0], verified=step[2])
+                time.perf_counter() - step[0],
+                sum(map(len, model_runner_output.sampled_token_ids or [])), verified=step[2])
         self.draft_controller.observe_verification(
             _verified(scheduler_output, model_runner_output))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
