@@ -252,6 +252,32 @@ def test_random_path_reproduces_the_target_distribution(draft_q, from_logits):
     assert_distributed_as(second, target_distribution(TARGET_LOGITS[1]), "second token")
 
 
+@PATHS
+def test_the_distribution_holds_with_counts_that_change_per_request(from_logits):
+    """What the draft-length controller makes: 0, 1 or 2 drafts per request in one batch
+    (drawn from the draft distribution). Every request's first token follows the target's
+    first row, whatever its count; the second follows the second row wherever a first draft
+    was accepted."""
+    torch.manual_seed(3)
+    requests = 18000
+    counts = torch.randint(0, 3, (requests,)).tolist()
+    drafts, draft_rows, logits_rows = [], [], []
+    for n in counts:
+        ids = [int(torch.multinomial(DRAFT_Q[i], 1)) for i in range(n)]
+        drafts.append(ids)
+        draft_rows += [DRAFT_Q[i] for i in range(n)]
+        logits_rows += [TARGET_LOGITS[i] for i in range(n + 1)]  # drafts, then the bonus
+    output = rows_of(ours(from_logits=from_logits)(
+        spec_metadata(drafts), torch.stack(draft_rows), torch.stack(logits_rows),
+        sampling_metadata([1.0] * requests)).sampled_token_ids)
+    first = torch.tensor([row[0] for row in output])
+    assert_distributed_as(first, target_distribution(TARGET_LOGITS[0]), "first token")
+    second = torch.tensor([row[1] for row, ids in zip(output, drafts, strict=True)
+                           if len(ids) == 2 and row[0] == ids[0]])
+    assert len(second) > 1000
+    assert_distributed_as(second, target_distribution(TARGET_LOGITS[1]), "second token")
+
+
 def test_the_chi_squared_check_can_fail():
     # The same check against the draft's own distribution (what a sampler that accepted
     # every draft would produce) must reject: the test has the power to see a wrong sampler.
