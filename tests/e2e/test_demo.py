@@ -77,6 +77,15 @@ def test_demo_with_medusa_reports_acceptance(tmp_path):
     assert drafts > 0 and drafts <= proposed <= 3 * drafts and 0 < accepted <= proposed
     assert float(found.group(4)) == round(1 + accepted / drafts, 2)
     assert float(found.group(5)) == round(proposed / drafts, 2)
+    # The plugin's /metrics histogram of the lengths verified agrees with vLLM's counters.
+    lengths = re.search(r"draft lengths requests were verified with \(requests x steps\): "
+                        r"([0-9: ,]+)\n", out)
+    assert lengths, out[-2000:]
+    histogram = {int(k): int(v) for k, v in
+                 (pair.split(": ") for pair in lengths.group(1).split(", "))}
+    assert sum(n for k, n in histogram.items() if k) == drafts
+    assert sum(k * n for k, n in histogram.items()) == proposed
+    assert set(histogram) <= {0, 1, 2, 3}
     log = (tmp_path / "server.log").read_text()
     assert "Ascend plugin active: host target" in log
     assert heads in log and base in log

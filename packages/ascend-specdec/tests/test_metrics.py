@@ -87,3 +87,14 @@ def test_summary_of_the_servers_metrics_page():
     assert summary["mean_acceptance_length"] == pytest.approx(1 + 15 / 12)
     assert summary["per_position_rate"] == pytest.approx([9 / 12, 5 / 12, 1 / 12])
     assert spec_decode_counters(counters) == counters
+
+
+def test_a_steps_draft_lengths_from_vllms_per_position_counts():
+    from ascend_specdec.metrics import step_draft_lengths
+
+    # Requests with 3, 3, 1 and 2 drafts: 4 reached position 0, 3 position 1, 2 position 2;
+    # two more running requests had none.
+    assert step_draft_lengths([4, 3, 2], num_drafts=4, num_running=6) == {3: 2, 2: 1, 1: 1,
+                                                                         0: 2}
+    assert step_draft_lengths([], num_drafts=0, num_running=5) == {0: 5}
+    assert step_draft_lengths([0, 0, 0], num_drafts=0, num_running=0) == {}

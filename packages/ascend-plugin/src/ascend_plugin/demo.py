@@ -37,7 +37,8 @@ import os
 import sys
 import time
 
-from ascend_plugin.serving import chat, complete, counter_totals, running_server
+from ascend_plugin.serving import chat, complete, counter_totals, histogram_counts, running_server
+from ascend_specdec.metrics import DRAFT_LENGTH
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(folder):"]
 CHAT = ["Return the sum of the squares of a list of numbers",
@@ -185,6 +186,9 @@ def print_acceptance(url: str) -> None:
           f"tokens accepted, mean acceptance length {1 + accepted / drafts:.2f} "
           f"({proposed / drafts:.2f} draft tokens per draft, at most k={MEDUSA_HEADS})",
           flush=True)
+    lengths = histogram_counts(url, DRAFT_LENGTH)
+    print("[demo] draft lengths requests were verified with (requests x steps): "
+          + ", ".join(f"{length}: {n}" for length, n in sorted(lengths.items())), flush=True)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,24 @@ def counter_totals(base_url: str, names: Sequence[str], timeout: float = 30) -> 
     return totals
 
 
+def histogram_counts(base_url: str, name: str, timeout: float = 30) -> dict[int, int]:
+    """A Prometheus histogram with integer buckets (``le`` 0, 1, 2, ...) on ``/metrics`` as
+    ``{value: observations}``, summed over its labels."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as reply:
+        text = reply.read().decode()
+    cumulative: dict[int, float] = {}
+    for line in text.splitlines():
+        found = re.match(re.escape(name) + r'_bucket\{.*le="([0-9.]+)".*\} (\S+)$', line)
+        if found:
+            bound = int(float(found[1]))
+            cumulative[bound] = cumulative.get(bound, 0.0) + float(found[2])
+    counts, below = {}, 0.0
+    for bound in sorted(cumulative):
+        counts[bound] = int(cumulative[bound] - below)
+        below = cumulative[bound]
+    return counts
+
+
 def finished_per_engine(base_url: str, timeout: float = 30) -> dict[str, float]:
     """Requests each engine (data-parallel rank) finished, from vLLM's ``/metrics``
     (``vllm:request_success_total``, summed over its other labels), keyed by engine index."""

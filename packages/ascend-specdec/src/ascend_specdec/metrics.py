@@ -123,3 +123,26 @@ def parse_prometheus_text(text: str) -> dict[str, Any]:
         else:
             counters[name] = counters.get(name, 0) + int(value)
     return counters
+
+
+# The histogram of draft lengths requests were verified with, one observation per request per
+# step (the plugin's stat logger exposes it on /metrics beside vLLM's counters).
+DRAFT_LENGTH = "ascend:spec_decode_draft_length"
+
+
+def step_draft_lengths(num_draft_tokens_per_pos: list[int], num_drafts: int,
+                       num_running: int) -> dict[int, int]:
+    """``{draft length: requests}`` in one step, from vLLM's per-step ``SpecDecodingStats``
+    (``num_draft_tokens_per_pos[i]``: requests whose drafts reached position ``i``) and the
+    running requests; those without drafts (the controller chose none, the proposer found
+    none, or still in prefill) count at length 0."""
+    counts: dict[int, int] = {}
+    reached = [*num_draft_tokens_per_pos, 0]
+    for length in range(1, len(reached)):
+        exactly = reached[length - 1] - reached[length]
+        if exactly:
+            counts[length] = exactly
+    without = num_running - num_drafts
+    if without > 0:
+        counts[0] = without
+    return counts
