@@ -45,6 +45,7 @@ def main() -> None:
     from vllm.plugins import (
         DEFAULT_PLUGINS_GROUP,
         PLATFORM_PLUGINS_GROUP,
+        STAT_LOGGER_PLUGINS_GROUP,
         load_plugins_by_group,
     )
 
@@ -53,6 +54,10 @@ def main() -> None:
         if "ascend" not in load_plugins_by_group(group):
             fail(f"vLLM does not load an 'ascend' plugin from {group} (found {names})")
         print(f"ok  vLLM loads 'ascend' from {group}")
+    if "ascend_draft_length" not in load_plugins_by_group(STAT_LOGGER_PLUGINS_GROUP):
+        fail(f"vLLM does not load the 'ascend_draft_length' stat logger from "
+             f"{STAT_LOGGER_PLUGINS_GROUP}")
+    print(f"ok  vLLM loads 'ascend_draft_length' from {STAT_LOGGER_PLUGINS_GROUP}")
 
     expectations = {"host": "ascend_core.platform.host.AscendHostPlatform",
                     "auto": "vllm.platforms.cpu.CpuPlatform"}

@@ -138,5 +138,7 @@ def test_only_the_meta_package_declares_entry_points():
                 "ascend": "ascend_plugin.entry_points:platform_plugin"}
             assert groups["vllm.general_plugins"] == {
                 "ascend": "ascend_plugin.entry_points:general_plugin"}
+            assert groups["vllm.stat_logger_plugins"] == {
+                "ascend_draft_length": "ascend_plugin.stat_logger:DraftLengthStatLogger"}
         else:
             assert not any(g.startswith("vllm.") for g in groups), pyproject
