@@ -36,7 +36,7 @@ from test_npu_target import (
     assert_on_npu,
 )
 
-from vllm_runs import PROMPTS, run_vllm
+from vllm_runs import FIXED_DRAFT_LENGTH, PROMPTS, run_vllm
 
 SMALL = 0.005  # test_eagle_mtp's weight std: the cached model is shared
 MAX_TOKENS = 16
@@ -80,7 +80,9 @@ def test_chunked_prefill_on_npu_keeps_greedy_tokens(deepseek, deepseek_npu):
 
 def test_mtp_speculation_on_npu_keeps_greedy_tokens(deepseek, deepseek_npu):
     spec = {"method": "mtp", "num_speculative_tokens": 3}
-    result = run(deepseek, NPU, speculative_config=spec, disable_log_stats=False)
+    # At k=3 every step, for the acceptance length it prints (docs/FEATURES.md).
+    result = run(deepseek, NPU, speculative_config=spec, disable_log_stats=False,
+                 additional_config=FIXED_DRAFT_LENGTH)
     assert_on_npu(result)
     assert_equal_up_to_near_ties(result, deepseek_npu, "MTP on npu")
     metrics = result["metrics"]
