@@ -1,5 +1,6 @@
 """Speculation under load through ``vllm serve`` on the host target: no speculation, a fixed
-draft length k = 3, and the draft-length controller (ascend-specdec, the default), per method.
+draft length k = 3, and the draft-length controller (ascend-specdec,
+``draft_length_config.dynamic``), per method.
 
 The trained demo model (pycoder-26m) in bf16; methods: n-gram, the demo's Medusa heads, and an
 EAGLE draft of random weights (a drafter whose drafts are almost never accepted: what a
@@ -63,9 +64,9 @@ def setups(methods: list[str], model: str) -> dict[str, list[str]]:
     result = {"no speculation": base}
     for method in methods:
         spec = ["--speculative-config", json.dumps(speculative_config(method, model))]
-        fixed = {"draft_length_config": {"dynamic": False}}
-        result[f"{method} k={K}"] = [*base, *spec, "--additional-config", json.dumps(fixed)]
-        result[f"{method} dynamic"] = [*base, *spec]
+        for name, dynamic in ((f"{method} k={K}", False), (f"{method} dynamic", True)):
+            config = {"draft_length_config": {"dynamic": dynamic}}
+            result[name] = [*base, *spec, "--additional-config", json.dumps(config)]
     return result
 
 

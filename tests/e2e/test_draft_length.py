@@ -1,4 +1,5 @@
-"""The draft-length controller (ascend-specdec, on by default) inside real vLLM on the host.
+"""The draft-length controller (ascend-specdec, ``draft_length_config.dynamic``) inside real
+vLLM on the host.
 
 The trained demo model in float32 serves held-out code prompts at batch 1, 8 and 64 in one
 engine per configuration (this file is also that engine's script): n-gram, the demo's Medusa
@@ -18,6 +19,7 @@ import pytest
 from vllm_runs import run_script, start_failure
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
+DYNAMIC = {"draft_length_config": {"dynamic": True}}
 K = 3
 MAX_TOKENS = 24
 BATCHES = (1, 8, 64)
@@ -84,7 +86,8 @@ def dynamic(model):
 
     def get(method: str) -> dict:
         if method not in done:
-            done[method] = run(model, speculative_config=speculation(model, method))
+            done[method] = run(model, speculative_config=speculation(model, method),
+                               additional_config=DYNAMIC)
         return done[method]
 
     return get
@@ -127,11 +130,12 @@ def test_medusa_heads_are_accepted(dynamic):
 def test_pinned_length_and_the_switch_off(model, plain):
     pinned = run(model, speculative_config=speculation(model, "medusa"),
                  additional_config={"draft_length_config": {
-                     "min_num_speculative_tokens": 2, "max_num_speculative_tokens": 2}})
+                     "dynamic": True, "min_num_speculative_tokens": 2,
+                     "max_num_speculative_tokens": 2}})
     assert pinned["chosen"] == {"2": sum(pinned["chosen"].values())}
     assert pinned["token_ids"] == plain["token_ids"]
-    off = run(model, speculative_config=speculation(model, "medusa"),
-              additional_config={"draft_length_config": {"dynamic": False}})
+    # Off by default: vLLM's own scheduler, every step at num_speculative_tokens.
+    off = run(model, speculative_config=speculation(model, "medusa"))
     assert off["scheduler"] == "Scheduler" and "chosen" not in off
     assert off["token_ids"] == plain["token_ids"]
 
@@ -140,6 +144,7 @@ def test_a_bound_above_the_configured_length_stops_the_start(model):
     output = start_failure(
         {"model": model, "llm": {"speculative_config": speculation(model, "ngram"),
                                  "additional_config": {"draft_length_config": {
+                                     "dynamic": True,
                                      "max_num_speculative_tokens": K + 1}}}},
         HOST, script=__file__)
     assert ("additional_config key 'draft_length_config.max_num_speculative_tokens' is 4, "

@@ -43,7 +43,8 @@ RUN_LLM = HERE / "run_llm.py"
 
 # Speculation at the configured draft length every step, as vLLM does: for the tests that
 # measure a proposer at a fixed length (acceptance lengths, drafts against stock vLLM's, a
-# replay of the drafts). The draft-length controller (on by default) is tested on its own.
+# replay of the drafts), whatever the default. The draft-length controller is tested on its
+# own (test_draft_length.py).
 FIXED_DRAFT_LENGTH = {"draft_length_config": {"dynamic": False}}
 
 # Every core this test session may use. Under pytest-xdist each worker pins itself, and so the

@@ -52,7 +52,7 @@ FULL = {
         "heat_collection_phase": "decode",
     },
     "rejection_sampler_config": {"backend": "triton"},
-    "draft_length_config": {"dynamic": False, "min_num_speculative_tokens": 1,
+    "draft_length_config": {"dynamic": True, "min_num_speculative_tokens": 1,
                             "max_num_speculative_tokens": 2},
     "enable_cpu_binding": True,
     "weight_nz_mode": 2,

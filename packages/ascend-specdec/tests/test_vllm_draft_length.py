@@ -17,12 +17,14 @@ from ascend_specdec.vllm.draft_length import (  # noqa: E402
     install_draft_length_scheduler,
 )
 
+ON = {"draft_length_config": {"dynamic": True}}
 
-def config(k=3, additional=None, dp=1, scheduler_cls=None, per_batch_size=None):
+
+def config(k=3, additional=ON, dp=1, scheduler_cls=None, per_batch_size=None):
     spec = None if k is None else SimpleNamespace(
         num_speculative_tokens=k, num_speculative_tokens_per_batch_size=per_batch_size)
     return SimpleNamespace(
-        speculative_config=spec, additional_config=additional or {},
+        speculative_config=spec, additional_config=additional,
         parallel_config=SimpleNamespace(data_parallel_size=dp),
         scheduler_config=SimpleNamespace(scheduler_cls=scheduler_cls))
 
@@ -32,7 +34,7 @@ def test_register_adds_the_config_hook():
     assert DRAFT_LENGTH_HOOK in CONFIG_HOOKS
 
 
-def test_on_by_default_whenever_a_method_is_configured():
+def test_on_when_asked_for_with_a_method_configured():
     vllm_config = config()
     assert install_draft_length_scheduler(vllm_config)
     assert vllm_config.scheduler_config.scheduler_cls == SCHEDULER
@@ -40,6 +42,7 @@ def test_on_by_default_whenever_a_method_is_configured():
 
 
 @pytest.mark.parametrize("kwargs", [
+    {"additional": {}},  # off by default
     {"additional": {"draft_length_config": {"dynamic": False}}},
     {"dp": 2},  # ranks would choose different lengths and wait on each other
     {"scheduler_cls": "my.Scheduler"},
@@ -61,7 +64,8 @@ def test_left_to_vllm(kwargs):
 ])
 def test_bounds_beyond_the_configured_length_stop_the_start_in_one_line(bounds, message):
     with pytest.raises(AscendConfigError) as info:
-        install_draft_length_scheduler(config(additional={"draft_length_config": bounds}))
+        install_draft_length_scheduler(
+            config(additional={"draft_length_config": {"dynamic": True, **bounds}}))
     assert str(info.value) == message
 
 

@@ -180,11 +180,12 @@ class DraftLengthConfig(_Section):
     speculative method is configured (ascend-specdec's controller, both targets)."""
 
     dynamic: bool = _key(
-        True,
+        False,
         "Choose the number of draft tokens every step, from min_num_speculative_tokens to "
-        "max_num_speculative_tokens, from the acceptance and the step times measured while "
-        "serving, so that speculation does not cost throughput under load. Off: every step "
-        "drafts num_speculative_tokens, as vLLM does.",
+        "max_num_speculative_tokens, from the tokens per second and the acceptance measured "
+        "while serving. Off (the default until it beats a fixed length in "
+        "benchmarks/results/draft_length.md): every step drafts num_speculative_tokens, as "
+        "vLLM does.",
     )
     min_num_speculative_tokens: int = _key(
         0, "The fewest draft tokens a decoding request gets in a step (dynamic only).",

@@ -181,7 +181,7 @@ def print_acceptance(url: str) -> None:
     if drafts == 0:
         print("[demo] Medusa: the server reports no drafts", flush=True)
         return
-    # The draft-length controller (on by default) gives each step 0 to k drafts.
+    # With the draft-length controller on, each step gets 0 to k drafts.
     print(f"[demo] Medusa: {int(drafts)} drafts, {int(accepted)} of {int(proposed)} draft "
           f"tokens accepted, mean acceptance length {1 + accepted / drafts:.2f} "
           f"({proposed / drafts:.2f} draft tokens per draft, at most k={MEDUSA_HEADS})",

@@ -10,7 +10,8 @@ drafts to that request's own count. So one mechanism serves every method (Medusa
 EAGLE-3 / MTP, n-gram, suffix) and both model runners.
 
 The config hook (core's ``CONFIG_HOOKS``) installs it whenever speculation is configured and
-``additional_config["draft_length_config"]["dynamic"]`` is on (the default).
+``additional_config["draft_length_config"]["dynamic"]`` is on (off by default: see
+``benchmarks/results/draft_length.md``).
 """
 
 from __future__ import annotations
