@@ -22,7 +22,10 @@ def loggers():
     saved = {n: (logging.getLogger(n).handlers[:], logging.getLogger(n).level,
                  logging.getLogger(n).propagate) for n in names}
     for name in names:
-        logging.getLogger(name).handlers = []
+        # As before any share; propagating, so pytest attaches no capture handlers to them
+        # (it does to loggers that do not propagate).
+        logger = logging.getLogger(name)
+        logger.handlers, logger.propagate = [], True
     yield
     for name, (handlers, level, propagate) in saved.items():
         logger = logging.getLogger(name)
