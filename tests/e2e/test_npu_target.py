@@ -48,6 +48,8 @@ NPU = {
 }
 HOST = {"VLLM_ASCEND_TARGET": "host"}
 LLM = {"dtype": "bfloat16", "gpu_memory_utilization": 0.2}
+# The n-gram and EAGLE tests on npu run with the draft-length controller (opt-in).
+DYNAMIC_DRAFT_LENGTH = {"draft_length_config": {"dynamic": True}}
 NPU_RUNNER = "ascend_core.worker.npu_model_runner.NPUModelRunner"
 NEAR_TIE = 0.1
 TOP_LOGPROBS = 5
@@ -140,7 +142,7 @@ def test_dense_llama_greedy_tokens_equal_the_host_target(llama_npu, llama_host):
 def test_ngram_speculation_on_npu_keeps_greedy_tokens(llama, llama_npu):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
             "prompt_lookup_min": 1}
-    result = run(llama, NPU, speculative_config=spec)
+    result = run(llama, NPU, speculative_config=spec, additional_config=DYNAMIC_DRAFT_LENGTH)
     assert_on_npu(result)
     (worker,) = result["workers"]
     assert worker["proposer_source"] == "ascend"
@@ -192,7 +194,8 @@ def test_eagle_speculation_on_npu_keeps_greedy_tokens(medusa_demo, medusa_base_n
     else:
         draft = ensure_eagle3_draft(base, draft_vocab_size=1024)
     spec = {"method": method, "model": str(draft), "num_speculative_tokens": 3}
-    result = run(base, NPU, speculative_config=spec, disable_log_stats=False)
+    result = run(base, NPU, speculative_config=spec, disable_log_stats=False,
+                 additional_config=DYNAMIC_DRAFT_LENGTH)
     assert_on_npu(result)
     (worker,) = result["workers"]
     assert worker["proposer_source"] == "ascend"
