@@ -32,3 +32,11 @@ def stock_llama(llama_dir) -> dict:
 @pytest.fixture(scope="session")
 def plugin_llama(llama_dir) -> dict:
     return run_vllm({"model": llama_dir, "prompts": PROMPTS}, {"VLLM_ASCEND_TARGET": "host"})
+
+
+@pytest.fixture(scope="session")
+def model() -> str:
+    """The trained demo model (pycoder-26m)."""
+    from ascend_plugin.demo_model import demo_model_dir
+
+    return str(demo_model_dir())

@@ -56,13 +56,6 @@ def run(model: str, **llm) -> dict:
 
 
 @pytest.fixture(scope="module")
-def model() -> str:
-    from ascend_plugin.demo_model import demo_model_dir
-
-    return str(demo_model_dir())
-
-
-@pytest.fixture(scope="module")
 def plain(model) -> dict:
     return run(model)
 

@@ -47,13 +47,6 @@ def partings(result, plain) -> list[tuple[int, int, float]]:
 
 
 @pytest.fixture(scope="module")
-def model() -> str:
-    from ascend_plugin.demo_model import demo_model_dir
-
-    return str(demo_model_dir())
-
-
-@pytest.fixture(scope="module")
 def plain(model) -> dict:
     return run(model)
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -158,10 +158,11 @@ class DraftLengthController:
 
     def chain_probabilities(self, req_id: str | None = None) -> list[float]:
         """``p[j-1]``: the chance the request's first ``j`` drafts are all accepted."""
-        rates = self.position_rates()
+        return self._chain(req_id, self.position_rates(), self._global_rate())
+
+    def _chain(self, req_id: str | None, rates: list[float], overall: float) -> list[float]:
         scale = 1.0
         own = self._requests.get(req_id) if req_id is not None else None
-        overall = self._global_rate()
         if own is not None and overall > 0:
             blended = ((own.accepted + self.request_prior * overall)
                        / (own.tried + self.request_prior))
@@ -197,14 +198,13 @@ class DraftLengthController:
         todo = self._calibration.setdefault(bucket, [
             k for k in range(self.min_k, self.max_k + 1)
             for _ in range(self.calibration_rounds)])
-        chains = {r: self.chain_probabilities(r) for r in req_ids}
         if todo:
             k_max = todo.pop(0)
             counts = {r: k_max for r in req_ids}
         else:
-            rates = {k: self.times.rate(len(req_ids), k)
-                     for k in range(self.min_k, self.max_k + 1)
-                     if self.times.rate(len(req_ids), k)}
+            measured = {k: self.times.rate(len(req_ids), k)
+                        for k in range(self.min_k, self.max_k + 1)}
+            rates = {k: rate for k, rate in measured.items() if rate}
             # The shortest length within ``margin`` of the best: drafting on noise costs.
             best = max(rates.values(), default=0.0)
             k_max = min((k for k, r in rates.items() if r >= best / (1 + self.margin)),
@@ -219,21 +219,23 @@ class DraftLengthController:
                 todo.append(k_max)
                 counts = {r: k_max for r in req_ids}
             else:
-                counts = self._per_request(chains, k_max, len(req_ids))
+                counts = self._per_request(req_ids, k_max)
         return k_max, counts
 
-    def _per_request(self, chains: Mapping[str, list[float]], k_max: int, batch: int
-                     ) -> dict[str, int]:
+    def _per_request(self, req_ids: list[str], k_max: int) -> dict[str, int]:
         """Each request's drafts, in order, while a draft's chance of acceptance is worth
         the time it adds: the step's extra time per draft at ``k_max`` over the base length,
         at the step's rate of tokens per second."""
-        counts = {r: k_max for r in chains}
+        counts = {r: k_max for r in req_ids}
+        batch = len(req_ids)
         base, full = self.times.seconds(batch, self.min_k), self.times.seconds(batch, k_max)
         if k_max <= self.min_k or not base or not full or full <= base:
             return counts
         per_draft = (full - base) / (batch * (k_max - self.min_k))
         rate = self.times.rate(batch, k_max)
-        for r, chain in chains.items():
+        rates, overall = self.position_rates(), self._global_rate()  # once per step
+        for r in req_ids:
+            chain = self._chain(r, rates, overall)
             keep = self.min_k
             while keep < k_max and chain[keep] >= per_draft * rate:
                 keep += 1
