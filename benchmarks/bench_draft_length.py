@@ -2,24 +2,26 @@
 draft length k = 3, and the draft-length controller (ascend-specdec,
 ``draft_length_config.dynamic``), per method.
 
-The trained demo model (pycoder-26m) in bf16; methods: n-gram, the demo's Medusa heads, and an
-EAGLE draft of random weights (a drafter whose drafts are almost never accepted: what a
-wrong or stale draft model looks like to a server). Every server is up at once on the same
-cores and the load is taken in turns (A B C ... A B C), so each round of a load level saw the
-same machine. A round sends N streamed greedy completions of held-out prompts at once
-(N = 1, 4, 16, 64; ``max_tokens`` 64, end of sequence ignored); before the counted rounds each
-server gets one uncounted round at that N (first requests pay one-off costs, and the
-controller calibrates each batch-size range on its first steps there). Per setup and N:
-output throughput (tokens over the round's wall time, median of rounds), time to first token
-and inter-token latency (medians over requests). Acceptance from vLLM's ``/metrics`` over all
-rounds: mean acceptance length and mean draft length (draft tokens per draft).
+The trained demo model (pycoder-26m) in bf16; methods: n-gram, suffix decoding, the demo's
+Medusa heads, and an EAGLE draft of random weights (a drafter whose drafts are almost never
+accepted: what a wrong or stale draft model looks like to a server). The no-speculation
+server is up throughout; each method's two servers (k = 3, dynamic) are up while that method
+is measured, and the load is taken in turns (none, k=3, dynamic, none, ...), so each round
+of a load level saw the same machine. A round sends N streamed greedy completions of
+held-out prompts at once through the ``openai`` client (N = 1, 4, 16, 64; ``max_tokens``
+128, end of sequence ignored); before the counted rounds each server gets one uncounted
+round at that N (first requests pay one-off costs, and the controller calibrates each
+batch-size range on its first steps there). Per setup and N: output throughput (tokens over
+the round's wall time, median of rounds), time to first token and inter-token latency
+(medians over requests). From vLLM's ``/metrics`` over all rounds: mean acceptance length,
+mean draft length, and for dynamic the lengths it chose (``ascend:spec_decode_draft_length``).
 
 Pass line (issue 14): at every N, dynamic's throughput at least 0.95x the better of no
 speculation and fixed k = 3 for the same method.
 
 Results: ``benchmarks/results/draft_length.json`` and ``draft_length.md``.
 
-    python benchmarks/bench_draft_length.py [--rounds 3] [--methods ngram,medusa,eagle]
+    python benchmarks/bench_draft_length.py [--rounds 4] [--methods ngram,suffix,medusa,eagle]
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import host_machine  # beside this script
 
 RESULTS = Path(__file__).parent / "results"
 CONCURRENCY = (1, 4, 16, 64)
-MAX_TOKENS = 64
+MAX_TOKENS = 128
 K = 3
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
@@ -50,53 +52,48 @@ def speculative_config(method: str, model: str) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 4}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": K}
     if method == "medusa":
         return {"method": "medusa", "model": str(demo_medusa_dir()), "num_speculative_tokens": K}
     if method == "eagle":
         return {"method": "eagle", "model": str(ensure_eagle_draft(model, std=0.02)),
                 "num_speculative_tokens": K}
-    raise SystemExit(f"unknown method {method!r}: use ngram, medusa or eagle")
+    raise SystemExit(f"unknown method {method!r}: use ngram, suffix, medusa or eagle")
 
 
-def setups(methods: list[str], model: str) -> dict[str, list[str]]:
-    """Setup name -> extra ``vllm serve`` arguments."""
-    base = ["--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "64"]
-    result = {"no speculation": base}
-    for method in methods:
-        spec = ["--speculative-config", json.dumps(speculative_config(method, model))]
-        for name, dynamic in ((f"{method} k={K}", False), (f"{method} dynamic", True)):
-            config = {"draft_length_config": {"dynamic": dynamic}}
-            result[name] = [*base, *spec, "--additional-config", json.dumps(config)]
-    return result
+BASE_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "64"]
+
+
+def method_setups(method: str, model: str) -> dict[str, list[str]]:
+    """Setup name -> extra ``vllm serve`` arguments, for one method."""
+    spec = ["--speculative-config", json.dumps(speculative_config(method, model))]
+    return {name: [*BASE_ARGS, *spec, "--additional-config",
+                   json.dumps({"draft_length_config": {"dynamic": dynamic}})]
+            for name, dynamic in ((f"{method} k={K}", False), (f"{method} dynamic", True))}
 
 
 async def one_round(url: str, model: str, prompts: list[str]) -> dict:
-    import httpx
+    from openai import AsyncOpenAI
 
     async def one(client, prompt: str) -> dict:
-        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
         sent = time.perf_counter()
         arrivals, tokens = [], 0
-        async with client.stream("POST", url + "/v1/completions", json=body) as reply:
-            if reply.status_code != 200:
-                raise RuntimeError(f"{url}: HTTP {reply.status_code}")
-            async for line in reply.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: "):])
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-                if event.get("choices") and event["choices"][0].get("text"):
-                    arrivals.append(time.perf_counter())
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].text:
+                arrivals.append(time.perf_counter())
         ttft = arrivals[0] - sent
         # Arrivals are chunks (a step that accepts drafts sends several tokens at once).
         itl = (arrivals[-1] - arrivals[0]) / (tokens - 1) if tokens > 1 else 0.0
         return {"ttft": ttft, "itl": itl, "tokens": tokens}
 
-    limits = httpx.Limits(max_connections=len(prompts))
-    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
+                           max_retries=0) as client:
         started = time.perf_counter()
         results = await asyncio.gather(*(one(client, p) for p in prompts))
         seconds = time.perf_counter() - started
@@ -104,47 +101,63 @@ async def one_round(url: str, model: str, prompts: list[str]) -> dict:
             "ttft": [r["ttft"] for r in results], "itl": [r["itl"] for r in results]}
 
 
+def measure(urls: dict[str, str], model: str, prompts: list[str], rounds: int,
+            record: dict) -> None:
+    """Every N: one uncounted round per server, then ``rounds`` counted ones in turns."""
+    for n in CONCURRENCY:
+        for url in urls.values():
+            asyncio.run(one_round(url, model, prompts[:n]))
+        for index in range(rounds):
+            for name, url in urls.items():
+                result = asyncio.run(one_round(url, model, prompts[:n]))
+                record.setdefault((name, n), []).append(result)
+                print(f"[bench_draft_length] N={n} round {index + 1}/{rounds} {name}: "
+                      f"{result['tokens'] / result['seconds']:.0f} tok/s", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="counted rounds per setup and N")
-    parser.add_argument("--methods", default="ngram,medusa,eagle")
+    parser.add_argument("--rounds", type=int, default=4, help="counted rounds per setup and N")
+    parser.add_argument("--methods", default="ngram,suffix,medusa,eagle")
     args = parser.parse_args()
     from ascend_plugin.demo_model import demo_model_dir, held_out_prompts
-    from ascend_plugin.serving import counter_totals, running_server
+    from ascend_plugin.serving import counter_totals, histogram_counts, running_server
 
+    methods = args.methods.split(",")
     model = str(demo_model_dir())
     base = held_out_prompts(28, 300)
     prompts = [base[i % len(base)][: 300 - 60 * (i // len(base))]
                for i in range(max(CONCURRENCY))]
-    chosen = setups(args.methods.split(","), model)
     logs = tempfile.mkdtemp(prefix="bench-draft-length-")
-    print(f"[bench_draft_length] starting {len(chosen)} servers (logs in {logs})", flush=True)
-    with contextlib.ExitStack() as stack:
-        urls = {name: stack.enter_context(running_server(
-                    model, extra_args=extra, log_path=f"{logs}/{index}.log"))
-                for index, (name, extra) in enumerate(chosen.items())}
-        rounds = {(name, n): [] for n in CONCURRENCY for name in urls}
-        for n in CONCURRENCY:
-            for url in urls.values():
-                asyncio.run(one_round(url, model, prompts[:n]))
-            for index in range(args.rounds):
+    print(f"[bench_draft_length] server logs in {logs}", flush=True)
+    rounds: dict = {}
+    counters, chosen = {}, {}
+    with running_server(model, extra_args=BASE_ARGS, log_path=f"{logs}/none.log") as plain:
+        for method in methods:
+            with contextlib.ExitStack() as stack:
+                print(f"[bench_draft_length] {method}: starting its servers", flush=True)
+                urls = {name: stack.enter_context(running_server(
+                            model, extra_args=extra, log_path=f"{logs}/{name}.log"))
+                        for name, extra in method_setups(method, model).items()}
+                measure({"no speculation": plain, **urls}, model, prompts, args.rounds,
+                        rounds)
                 for name, url in urls.items():
-                    result = asyncio.run(one_round(url, model, prompts[:n]))
-                    rounds[(name, n)].append(result)
-                    print(f"[bench_draft_length] N={n} round {index + 1}/{args.rounds} "
-                          f"{name}: {result['tokens'] / result['seconds']:.0f} tok/s",
-                          flush=True)
-        counters = {name: counter_totals(url, COUNTERS) for name, url in urls.items()
-                    if name != "no speculation"}
+                    counters[name] = counter_totals(url, COUNTERS)
+                chosen[method] = histogram_counts(urls[f"{method} dynamic"],
+                                                  "ascend:spec_decode_draft_length")
+    names = ["no speculation"] + [name for method in methods
+                                  for name in method_setups(method, model)]
     results = {
         "machine": host_machine.describe(),
         "load": {"concurrency": list(CONCURRENCY), "max_tokens": MAX_TOKENS,
                  "rounds": args.rounds, "k": K},
         "setups": {name: {str(n): summary(rounds[(name, n)]) for n in CONCURRENCY}
-                   for name in urls},
+                   for name in names},
         "acceptance": {name: acceptance(c) for name, c in counters.items()},
+        "dynamic_lengths": {method: {str(k): n for k, n in sorted(h.items())}
+                            for method, h in chosen.items()},
     }
-    results["pass_line"] = pass_line(results, args.methods.split(","))
+    results["pass_line"] = pass_line(results, methods)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "draft_length.json").write_text(json.dumps(results, indent=2) + "\n")
     (RESULTS / "draft_length.md").write_text(markdown(results))
@@ -188,9 +201,11 @@ def markdown(results: dict) -> str:
         f"Machine: {results['machine']}. Written by `benchmarks/bench_draft_length.py`.",
         "",
         f"pycoder-26m in bf16; a round sends N streamed greedy completions of held-out "
-        f"prompts at once ({load['max_tokens']} tokens each); {load['rounds']} counted rounds "
-        "per setup and N (after one uncounted), taken in turns with every server up on the "
-        "same cores. Throughput: median of rounds; TTFT and ITL: medians over requests.",
+        f"prompts at once through the `openai` client ({load['max_tokens']} tokens each); "
+        f"{load['rounds']} counted rounds per setup and N (after one uncounted), taken in turns "
+        "(no speculation, k=3, dynamic) with the no-speculation server and the method's two "
+        "up on the same cores. Throughput: median of rounds; TTFT and ITL: medians over "
+        "requests.",
         "",
         "| setup | " + " | ".join(f"N={n} tok/s" for n in load["concurrency"])
         + " | " + " | ".join(f"N={n} TTFT / ITL ms" for n in load["concurrency"]) + " |",
@@ -210,6 +225,10 @@ def markdown(results: dict) -> str:
                          f"{a['mean_draft_length']:.2f} |")
         else:
             lines.append(f"| {name} | no drafts | 0 |")
+    lines += ["", "Draft lengths the controller verified requests with (`/metrics` "
+              "`ascend:spec_decode_draft_length`, requests x steps):", ""]
+    for method, counts in results["dynamic_lengths"].items():
+        lines.append(f"- {method}: " + ", ".join(f"{k}: {n}" for k, n in counts.items()))
     lines += ["", "Pass line: dynamic's throughput over the better of no speculation and "
               f"k={load['k']} (goal: at least 0.95):", ""]
     for key, p in results["pass_line"].items():

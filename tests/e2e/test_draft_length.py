@@ -2,8 +2,8 @@
 vLLM on the host.
 
 The trained demo model in float32 serves held-out code prompts at batch 1, 8 and 64 in one
-engine per configuration (this file is also that engine's script): n-gram, the demo's Medusa
-heads, and an EAGLE draft of random weights (its drafts are almost never accepted). Greedy
+engine per configuration (this file is also that engine's script): n-gram, suffix decoding,
+the demo's Medusa heads, and an EAGLE draft of random weights (its drafts are almost never accepted). Greedy
 tokens equal those without speculation at every batch size, whatever lengths were chosen; the
 controller's own record (the lengths it chose, its acceptance estimates) comes back from the
 scheduler.
@@ -45,8 +45,8 @@ def engine_main(args: dict) -> None:
     if controller is not None:
         result["chosen"] = {str(k): n for k, n in controller.chosen.items()}
         result["position_rates"] = controller.position_rates()
-        result["steps"] = {f"{n}x{k}": f"{1e3 * t:.1f} ms, {rate:.0f} tok/s"
-                           for (n, k), (t, rate) in controller.times.table().items()}
+        result["steps"] = {f"{n}x{k}": f"{1e3 * t:.1f} ms, {1e3 * per:.2f} ms per request"
+                           for (n, k), (t, per) in controller.times.table().items()}
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -67,6 +67,8 @@ def speculation(model: str, method: str) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 4}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": K}
     if method == "medusa":
         return {"method": "medusa", "model": str(demo_medusa_dir()), "num_speculative_tokens": K}
     return {"method": "eagle", "model": str(ensure_eagle_draft(model, std=0.02)),
@@ -86,7 +88,7 @@ def dynamic(model):
     return get
 
 
-@pytest.mark.parametrize("method", ["ngram", "medusa", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "medusa", "eagle"])
 def test_greedy_tokens_equal_no_speculation_at_batch_1_8_and_64(plain, dynamic, method):
     result = dynamic(method)
     assert result["scheduler"] == "AscendDraftLengthScheduler"

@@ -19,8 +19,7 @@ def served(controller, req_ids, accept, seconds, steps=40):
         assert all(controller.min_k <= c <= k_max for c in counts.values()), counts
         accepted = {r: min(accept[r], counts[r]) for r in req_ids}
         controller.observe_verification((r, counts[r], accepted[r]) for r in req_ids)
-        controller.observe_step(len(req_ids), k_max, seconds(len(req_ids), k_max),
-                                sum(1 + a for a in accepted.values()))
+        controller.observe_step(len(req_ids), k_max, seconds(len(req_ids), k_max))
     return chosen
 
 
@@ -124,28 +123,26 @@ def test_bad_bounds_are_refused_in_one_line(kwargs, message):
     assert str(info.value) == message
 
 
-def test_a_step_after_one_of_another_length_is_not_timed():
-    """It verified the other length's drafts: its time is neither length's."""
+def test_a_timed_step_is_kept_for_its_batch_size_range_and_length():
+    """(Which steps are timed is the caller's part: test_vllm_draft_length.py.)"""
     controller = DraftLengthController(max_k=K)
-    controller.observe_step(4, 2, 1.0, 6, verified=3)
-    assert controller.times.seconds(4, 2) is None
-    controller.observe_step(4, 2, 1.0, 6, verified=2)
-    assert controller.times.seconds(4, 2) == 1.0 and controller.times.rate(4, 2) == 6.0
+    controller.observe_step(4, 2, 1.0)
+    assert controller.times.seconds(4, 2) == 1.0 and controller.times.per_request(4, 2) == 0.25
 
 
 def test_step_times_are_kept_per_batch_size_range():
     times = StepTimes(window=2)
     assert [StepTimes.bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
-    times.observe(3, 1, 2.0, 10)
-    times.observe(4, 1, 4.0, 2)  # same range as 3
-    assert times.seconds(3, 1) == 3.0 and times.rate(3, 1) == 2.0
-    assert times.seconds(5, 1) is None and times.rate(5, 1) is None
-    times.observe(3, 1, float("nan"), 1)
-    times.observe(3, 1, -1.0, 1)
+    times.observe(3, 1, 2.0)
+    times.observe(4, 1, 4.0)  # same range as 3
+    assert times.seconds(3, 1) == 3.0 and times.per_request(3, 1) == (2 / 3 + 1) / 2
+    assert times.seconds(5, 1) is None and times.per_request(5, 1) is None
+    times.observe(3, 1, float("nan"))
+    times.observe(3, 1, -1.0)
     assert times.seconds(4, 1) == 3.0
-    times.observe(4, 1, 1.0, 4)  # the first step left the window of two
-    assert times.seconds(4, 1) == 2.5 and times.rate(4, 1) == 6 / 5
-    assert times.table() == {(4, 1): (2.5, 6 / 5)}
+    times.observe(3, 1, 1.0)  # the first step left the window of two
+    assert times.seconds(4, 1) == 2.5 and times.per_request(4, 1) == (1 + 1 / 3) / 2
+    assert times.table() == {(4, 1): (2.5, (1 + 1 / 3) / 2)}
 
 
 def test_requests_that_need_the_full_length_keep_it():

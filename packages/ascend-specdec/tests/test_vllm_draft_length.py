@@ -79,7 +79,11 @@ def test_a_step_reports_drafts_scored_and_accepted_per_request():
     # a: 3 drafts, 2 accepted (+ the bonus); b: 2 valid drafts, none accepted; c: no token
     # this step (e.g. a discarded one); "gone" is not in the output; d had no drafts.
     assert _verified(scheduler_output, runner_output) == [("a", 3, 2), ("b", 2, 0)]
-    assert _verified(SimpleNamespace(scheduled_spec_decode_tokens={}), runner_output) == []
+    # d was asked for drafts and its proposer found none: a rejected first draft.
+    assert _verified(scheduler_output, runner_output, asked=["d", "a"]) == [
+        ("a", 3, 2), ("b", 2, 0), ("d", 1, 0)]
+    nothing = SimpleNamespace(scheduled_spec_decode_tokens={}, num_invalid_spec_tokens=None)
+    assert _verified(nothing, runner_output) == []
 
 
 def test_full_decode_graphs_keep_the_configured_length():
@@ -105,3 +109,48 @@ def test_seeded_sampled_requests_keep_the_full_length(params, seeded):
 
     assert _seeded(SimpleNamespace(sampling_params=SimpleNamespace(**params))) is seeded
     assert not _seeded(SimpleNamespace(sampling_params=None))
+
+
+def test_only_steps_that_verify_and_draft_one_length_for_every_request_are_timed():
+    """A step's time covers verifying the drafts of the step before and drafting its own: it
+    is one length's only where both steps gave every request that length."""
+    from ascend_specdec.vllm.draft_length import DraftLengthMixin
+
+    class Base:
+        def __init__(self, vllm_config):
+            self.vllm_config = vllm_config
+            self.requests = {r: SimpleNamespace(num_computed_tokens=0, num_tokens_with_spec=1,
+                                                sampling_params=None) for r in ("a", "b")}
+
+        def schedule(self):
+            output = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1})
+            self._update_after_schedule(output)
+            return output
+
+        def _update_after_schedule(self, output):
+            pass
+
+        def update_from_output(self, output, runner_output):
+            return {}
+
+    class Scheduler(DraftLengthMixin, Base):
+        pass
+
+    scheduler = Scheduler(config())
+    script = iter([(2, {"a": 2, "b": 2}), (2, {"a": 2, "b": 2}), (2, {"a": 2, "b": 0}),
+                   (2, {"a": 2, "b": 2}), (3, {"a": 3, "b": 3}), (3, {"a": 3, "b": 3})])
+    timed = []
+    scheduler.draft_controller.choose = lambda req_ids, full=(): next(script)
+    scheduler.draft_controller.observe_step = lambda n, k, seconds: timed.append((n, k))
+    runner_output = SimpleNamespace(sampled_token_ids=[[1], [1]],
+                                    req_id_to_index={"a": 0, "b": 1})
+    for step in range(6):
+        output = scheduler.schedule()
+        output.scheduled_spec_decode_tokens, output.num_invalid_spec_tokens = {}, None
+        output.finished_req_ids = set()
+        scheduler.update_from_output(output, runner_output)
+        assert output.num_spec_tokens_to_schedule == (2 if step < 4 else 3)
+    # Timed: the second step (after a full 2) and the last (after a full 3); not the
+    # trimmed one, the one after it, nor the first 3 (it verified 2s).
+    assert timed == [(2, 2), (2, 3)]
+    assert not scheduler._timed_steps and not scheduler._asked

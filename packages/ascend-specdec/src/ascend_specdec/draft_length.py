@@ -9,23 +9,27 @@ much as the tokens it would have saved. ``DraftLengthController`` decides online
   own rate compares with the global one (a few pseudo-observations of the global rate, so a
   new request starts at the global estimate). The chance that a request's first ``j`` drafts
   are all accepted is the product of its rates up to ``j``.
-- **Cost and yield, measured**: per batch-size range (powers of two) and draft length
-  ``k_max`` (the length the proposer ran and the verification scored), the recent decode
-  steps' times and the tokens they emitted (see ``StepTimes``). A step's time is far from
-  linear in its tokens (a device is about as fast for 8 tokens as for 1 until its compute
-  fills), and what a length yields depends on whether the proposer finds drafts at all
-  (n-gram, suffix), so both are measured where they are used rather than modelled. A step
-  verifies the drafts of the step before it, so a step is kept only where both steps had the
-  same length. The first steps in each range try every allowed length a few steps in a row
-  (calibration on the real traffic); afterwards every ``explore_every``-th step there starts
-  two steps of a neighbouring length, drafted in full, so a change in load or acceptance is
-  seen.
-- **Choice**: the length with the most tokens per second measured in this batch-size range
-  (the shortest one within ``margin`` of it, so noise buys no drafts). Then each request
-  keeps a draft only while the chance that it and the ones before it are accepted (the
-  acceptance estimates above) is worth its share of the step's extra time at the step's
-  rate, so requests whose drafts are rarely accepted draft fewer. ``k_max`` is what the
-  proposer drafts; each request's own count is at most that.
+- **Cost, measured**: per batch-size range (powers of two) and draft length ``k_max`` (the
+  length the proposer ran and the verification scored), the recent decode steps' time per
+  request (see ``StepTimes``). A step's time is far from linear in its tokens (a device is
+  about as fast for 8 tokens as for 1 until its compute fills) and depends on the proposer,
+  so it is measured where it is used rather than modelled. A step verifies the drafts of the
+  step before it, so a step is timed only where both steps gave every request the same
+  length (the caller's part, see ``observe_step``). The first
+  steps in each range try every allowed length a few steps in a row (calibration on the real
+  traffic); afterwards every ``explore_every``-th step there starts two steps of a
+  neighbouring length, drafted in full, so a change in load is seen.
+- **Yield, modelled**: the tokens a request emits per step at length ``k``, one plus the
+  chances that its first ``1 .. k`` drafts are all accepted (the acceptance estimates above,
+  from every verified draft; a request that was asked for drafts and brought none counts as
+  a rejected first draft). Counting tokens per step instead would be far noisier: a step's
+  yield swings with the text.
+- **Choice**: the length with the most expected tokens per second of request time in this
+  batch-size range (the shortest one within ``margin`` of it, so noise buys no drafts). Then
+  each request keeps a draft only while the chance that it and the ones before it are
+  accepted is worth its share of the step's extra time at the step's rate, so requests whose
+  drafts are rarely accepted draft fewer. ``k_max`` is what the proposer drafts; each
+  request's own count is at most that.
 
 Greedy outputs do not depend on the count (verification is exact); the sampled path keeps
 the target distribution for any count. Pure Python: no torch, no vLLM.
@@ -34,6 +38,7 @@ the target distribution for any count. Pure Python: no torch, no vLLM.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -45,10 +50,9 @@ class DraftLengthError(ValueError):
 
 class StepTimes:
     """Decode steps per (batch-size range, draft length): the last ``window`` steps' seconds
-    and tokens emitted (accepted drafts and the bonus token), for the range's mean step time
-    and its rate of tokens per second."""
+    and request counts, for the range's mean step time and its time per request."""
 
-    def __init__(self, window: int = 8) -> None:
+    def __init__(self, window: int = 24) -> None:
         self.window = window
         self._steps: dict[tuple[int, int], deque[tuple[float, int]]] = {}
 
@@ -57,25 +61,27 @@ class StepTimes:
         """The batch-size range: the next power of two at or above ``num_requests``."""
         return 1 << max(num_requests - 1, 0).bit_length()
 
-    def observe(self, num_requests: int, k_max: int, seconds: float, tokens: int) -> None:
+    def observe(self, num_requests: int, k_max: int, seconds: float) -> None:
         if num_requests <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         key = (self.bucket(num_requests), k_max)
-        self._steps.setdefault(key, deque(maxlen=self.window)).append((seconds, tokens))
+        self._steps.setdefault(key, deque(maxlen=self.window)).append((seconds, num_requests))
 
     def seconds(self, num_requests: int, k_max: int) -> float | None:
         steps = self._steps.get((self.bucket(num_requests), k_max))
         return sum(s for s, _ in steps) / len(steps) if steps else None
 
-    def rate(self, num_requests: int, k_max: int) -> float | None:
-        """Tokens emitted per second over the recent steps, or None before any."""
+    def per_request(self, num_requests: int, k_max: int) -> float | None:
+        """Seconds per request in a step (a range holds batches of different sizes), the
+        median over the recent steps (a step the machine stalled in does not count), or None
+        before any."""
         steps = self._steps.get((self.bucket(num_requests), k_max))
-        return sum(t for _, t in steps) / sum(s for s, _ in steps) if steps else None
+        return statistics.median(s / n for s, n in steps) if steps else None
 
     def table(self) -> dict[tuple[int, int], tuple[float, float]]:
-        """``{(batch-size range, length): (mean seconds, tokens per second)}``."""
+        """``{(batch-size range, length): (mean seconds, seconds per request)}``."""
         return {key: (sum(s for s, _ in steps) / len(steps),
-                      sum(t for _, t in steps) / sum(s for s, _ in steps))
+                      statistics.median(s / n for s, n in steps))
                 for key, steps in sorted(self._steps.items())}
 
 
@@ -89,12 +95,14 @@ class DraftLengthController:
     """Chooses ``k_max`` for the proposer and each request's count (see the module doc).
 
     ``max_k``: the configured ``num_speculative_tokens``; counts stay in ``[min_k, max_k]``.
+    ``ragged``: whether requests may get fewer drafts than ``k_max`` (the caller applies
+    per-request counts); if not, every request gets ``k_max``.
     """
 
     def __init__(self, max_k: int, min_k: int = 0, *, decay: float = 0.995,
-                 request_prior: float = 4.0, explore_every: int = 16,
-                 calibration_rounds: int = 3, window: int = 8,
-                 margin: float = 0.03) -> None:
+                 request_prior: float = 4.0, explore_every: int = 32,
+                 calibration_rounds: int = 3, window: int = 24,
+                 margin: float = 0.03, ragged: bool = True) -> None:
         if not isinstance(max_k, int) or max_k < 1:
             raise DraftLengthError(
                 f"max_k={max_k!r}: the draft length must be an integer of at least 1")
@@ -103,7 +111,7 @@ class DraftLengthController:
                 f"min_k={min_k!r}: must be an integer from 0 to max_k={max_k}")
         self.max_k, self.min_k = max_k, min_k
         self.decay, self.request_prior = decay, request_prior
-        self.explore_every, self.margin = explore_every, margin
+        self.explore_every, self.margin, self.ragged = explore_every, margin, ragged
         self.times = StepTimes(window)
         self.calibration_rounds = calibration_rounds
         # Global per position (1-based j at index j-1), one accepted of two tried to start.
@@ -135,13 +143,11 @@ class DraftLengthController:
             own.tried += min(accepted + 1, drafts)
             own.accepted += accepted
 
-    def observe_step(self, num_requests: int, k_max: int, seconds: float, tokens: int,
-                     verified: int | None = None) -> None:
-        """A decode step's wall time, its number of requests, the length it drafted, the
-        tokens it emitted and the length of the drafts it verified (the previous step's;
-        None: the same)."""
-        if verified is None or verified == k_max:
-            self.times.observe(num_requests, k_max, seconds, tokens)
+    def observe_step(self, num_requests: int, k_max: int, seconds: float) -> None:
+        """A decode step's wall time and number of requests, where every request verified
+        ``k_max`` drafts (the step before drafted that length for all) and drafted ``k_max``
+        (a step that verifies trimmed or other-length drafts is neither length's)."""
+        self.times.observe(num_requests, k_max, seconds)
 
     def forget_request(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -155,6 +161,11 @@ class DraftLengthController:
     def _global_rate(self) -> float:
         tried = sum(c.tried for c in self._positions)
         return sum(c.accepted for c in self._positions) / tried if tried > 0 else 0.0
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a request emits in a step that verifies ``k`` drafts (the global rates):
+        the bonus token and each draft whose predecessors were accepted with it."""
+        return 1.0 + sum(self.chain_probabilities()[:k])
 
     def chain_probabilities(self, req_id: str | None = None) -> list[float]:
         """``p[j-1]``: the chance the request's first ``j`` drafts are all accepted."""
@@ -202,9 +213,9 @@ class DraftLengthController:
             k_max = todo.pop(0)
             counts = {r: k_max for r in req_ids}
         else:
-            measured = {k: self.times.rate(len(req_ids), k)
-                        for k in range(self.min_k, self.max_k + 1)}
-            rates = {k: rate for k, rate in measured.items() if rate}
+            rates = {k: self.expected_tokens(k) / seconds
+                     for k in range(self.min_k, self.max_k + 1)
+                     if (seconds := self.times.per_request(len(req_ids), k))}
             # The shortest length within ``margin`` of the best: drafting on noise costs.
             best = max(rates.values(), default=0.0)
             k_max = min((k for k, r in rates.items() if r >= best / (1 + self.margin)),
@@ -218,26 +229,29 @@ class DraftLengthController:
                 k_max = k_max + 1 if up else max(k_max - 1, self.min_k)
                 todo.append(k_max)
                 counts = {r: k_max for r in req_ids}
-            else:
+            elif self.ragged:
                 counts = self._per_request(req_ids, k_max)
+            else:
+                counts = {r: k_max for r in req_ids}
         return k_max, counts
 
     def _per_request(self, req_ids: list[str], k_max: int) -> dict[str, int]:
         """Each request's drafts, in order, while a draft's chance of acceptance is worth
-        the time it adds: the step's extra time per draft at ``k_max`` over the base length,
-        at the step's rate of tokens per second."""
+        the time it adds: a request-step's extra time per draft at ``k_max`` over the base
+        length, at that length's rate of tokens per second."""
         counts = {r: k_max for r in req_ids}
         batch = len(req_ids)
-        base, full = self.times.seconds(batch, self.min_k), self.times.seconds(batch, k_max)
+        base = self.times.per_request(batch, self.min_k)
+        full = self.times.per_request(batch, k_max)
         if k_max <= self.min_k or not base or not full or full <= base:
             return counts
-        per_draft = (full - base) / (batch * (k_max - self.min_k))
-        rate = self.times.rate(batch, k_max)
+        per_draft = (full - base) / (k_max - self.min_k)
+        threshold = per_draft * self.expected_tokens(k_max) / full
         rates, overall = self.position_rates(), self._global_rate()  # once per step
         for r in req_ids:
             chain = self._chain(r, rates, overall)
             keep = self.min_k
-            while keep < k_max and chain[keep] >= per_draft * rate:
+            while keep < k_max and chain[keep] >= threshold:
                 keep += 1
             counts[r] = keep
         return counts

@@ -48,14 +48,20 @@ class DraftLengthMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         min_k, max_k = draft_length_bounds(self.vllm_config)
-        self.draft_controller = DraftLengthController(max_k=max_k, min_k=min_k)
+        # Per-request counts reach the drafts through update_draft_token_ids, which vLLM
+        # calls with the synchronous scheduler only.
+        self.draft_controller = DraftLengthController(
+            max_k=max_k, min_k=min_k, ragged=not isinstance(self, AsyncScheduler))
         self.dynamic_sd_lookup = _FromController(self.draft_controller.max_k)
         self._counts: dict[str, int] = {}
+        # Per step in flight: the requests that were asked for drafts it verifies.
+        self._asked: dict[int, list[str]] = {}
         self._decode_only = False
-        self._last_k = self.draft_controller.max_k  # the length the last step drafted
-        # Per decode-only step in flight: when it was scheduled, how many requests it has
-        # and the length of the drafts it verifies.
-        self._decode_steps: dict[int, tuple[float, int, int]] = {}
+        # The length the last step drafted, or None where requests drafted different counts.
+        self._last_k: int | None = None
+        # Per step in flight that is timed (decode only, every request verifying and
+        # drafting one length): when it was scheduled and how many requests it has.
+        self._timed_steps: dict[int, tuple[float, int]] = {}
         logger.info("draft length: chosen every step from %d to %d draft tokens "
                     "(ascend_specdec.draft_length)", self.draft_controller.min_k,
                     self.draft_controller.max_k)
@@ -63,9 +69,8 @@ class DraftLengthMixin:
     def schedule(self, *args: Any, **kwargs: Any):
         start, verified = time.perf_counter(), self._last_k
         output = super().schedule(*args, **kwargs)
-        if self._decode_only:
-            self._decode_steps[id(output)] = (start, len(output.num_scheduled_tokens),
-                                              verified)
+        if self._decode_only and verified is not None and verified == self._last_k:
+            self._timed_steps[id(output)] = (start, len(output.num_scheduled_tokens))
         return output
 
     def _update_after_schedule(self, scheduler_output) -> None:
@@ -75,21 +80,25 @@ class DraftLengthMixin:
         # Steps with prefill chunks are not timed: their time is the prefill's.
         self._decode_only = bool(decoding) and len(decoding) == len(
             scheduler_output.num_scheduled_tokens)
+        self._asked[id(scheduler_output)] = [r for r in decoding if self._counts.get(r, 0)]
         seeded = [req_id for req_id in decoding if _seeded(self.requests[req_id])]
         k_max, self._counts = self.draft_controller.choose(decoding, full=seeded)
-        scheduler_output.num_spec_tokens_to_schedule = self._last_k = k_max
+        scheduler_output.num_spec_tokens_to_schedule = k_max
+        ragged = self.draft_controller.ragged and any(
+            count != k_max for count in self._counts.values())
+        self._last_k = None if ragged else k_max
         super()._update_after_schedule(scheduler_output)
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        step = self._decode_steps.pop(id(scheduler_output), None)
+        step = self._timed_steps.pop(id(scheduler_output), None)
         if step is not None:
             # Its time covers verifying the drafts it brought and drafting k_max new ones.
             self.draft_controller.observe_step(
                 step[1], scheduler_output.num_spec_tokens_to_schedule,
-                time.perf_counter() - step[0],
-                sum(map(len, model_runner_output.sampled_token_ids or [])), verified=step[2])
+                time.perf_counter() - step[0])
         self.draft_controller.observe_verification(
-            _verified(scheduler_output, model_runner_output))
+            _verified(scheduler_output, model_runner_output, self._asked.pop(
+                id(scheduler_output), ())))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for req_id in scheduler_output.finished_req_ids:
             self.draft_controller.forget_request(req_id)
@@ -111,23 +120,26 @@ def _seeded(request) -> bool:
     return params is not None and params.seed is not None and params.temperature > 0
 
 
-def _verified(scheduler_output, model_runner_output):
-    """``(request id, drafts scored, drafts accepted)`` for each request that had drafts."""
-    scheduled = scheduler_output.scheduled_spec_decode_tokens
-    if not scheduled or not model_runner_output.sampled_token_ids:
+def _verified(scheduler_output, model_runner_output, asked=()):
+    """``(request id, drafts scored, drafts accepted)`` for each request that had drafts, and
+    ``(request id, 1, 0)`` for each one in ``asked`` (it was asked for drafts) that sampled
+    without any: a proposer that finds nothing (n-gram, suffix) yields like a rejection."""
+    if not model_runner_output.sampled_token_ids:
         return []
+    scheduled = scheduler_output.scheduled_spec_decode_tokens or {}
     invalid = scheduler_output.num_invalid_spec_tokens or {}
     index = model_runner_output.req_id_to_index
     results = []
-    for req_id, drafts in scheduled.items():
+    for req_id in [*scheduled, *(r for r in asked if r not in scheduled)]:
         row = index.get(req_id)
         if row is None or row >= len(model_runner_output.sampled_token_ids):
             continue
         generated = model_runner_output.sampled_token_ids[row]
         if not generated:
             continue
-        scored = len(drafts) - invalid.get(req_id, 0)
-        results.append((req_id, scored, len(generated) - 1))
+        scored = len(scheduled.get(req_id, ())) - invalid.get(req_id, 0)
+        results.append((req_id, scored, len(generated) - 1) if scored > 0
+                       else (req_id, 1, 0))
     return results
 
 

@@ -37,7 +37,7 @@ class AscendNgramProposer(NgramProposer):
         rows = [i for i, sampled in enumerate(sampled_token_ids)
                 if sampled and num_tokens_no_spec[i] < self.max_model_len]
         drafts: list[list[int]] = [[] for _ in range(num_requests)]
-        if rows:
+        if rows and num_speculative_tokens > 0:  # 0: the draft-length controller chose none
             values, lengths = propose_batch(self.config, token_ids_cpu, num_tokens_no_spec,
                                             rows, k=num_speculative_tokens)
             for j, row in enumerate(rows):

@@ -33,5 +33,19 @@ class AscendSuffixProposer(SuffixDecodingProposer):
             max_cached_requests=config.suffix_decoding_max_cached_requests,
         )
 
+    def propose(self, num_speculative_tokens: int, input_batch: Any,
+                sampled_token_ids: list[list[int]], slot_mappings: Any = None
+                ) -> list[list[int]]:
+        """vLLM's loop, which asserts the configured length: run at the length asked for
+        (the draft-length controller's, at most the configured one; the trees are updated
+        whatever it is)."""
+        configured = self.num_speculative_tokens
+        self.num_speculative_tokens = num_speculative_tokens
+        try:
+            return super().propose(num_speculative_tokens, input_batch, sampled_token_ids,
+                                   slot_mappings)
+        finally:
+            self.num_speculative_tokens = configured
+
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to load."""
