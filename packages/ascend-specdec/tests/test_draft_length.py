@@ -156,3 +156,16 @@ def test_a_step_without_decoding_requests_chooses_nothing_and_is_not_counted():
     controller = DraftLengthController(max_k=K, min_k=1)
     assert controller.choose([]) == (1, {})
     assert sum(controller.chosen.values()) == 0
+
+
+def test_requests_whose_proposer_finds_no_drafts_lower_the_yield_not_the_acceptance():
+    """n-gram / suffix: a request asked for drafts that found none (0 scored) emits one token;
+    the drafts that were found are judged on their own."""
+    controller = DraftLengthController(max_k=K, decay=1.0)
+    controller.observe_verification([("a", 3, 3)] * 50)
+    full = controller.expected_tokens(K)
+    controller.observe_verification([("b", 0, 0)] * 50)
+    assert controller.chain_probabilities("b") == controller.chain_probabilities(None)
+    assert controller.position_rates()[0] > 0.9
+    assert controller.expected_tokens(K) == pytest.approx(1 + (full - 1) * 51 / 101)
+    assert controller.expected_tokens(0) == 1.0

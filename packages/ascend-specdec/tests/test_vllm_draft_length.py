@@ -79,9 +79,9 @@ def test_a_step_reports_drafts_scored_and_accepted_per_request():
     # a: 3 drafts, 2 accepted (+ the bonus); b: 2 valid drafts, none accepted; c: no token
     # this step (e.g. a discarded one); "gone" is not in the output; d had no drafts.
     assert _verified(scheduler_output, runner_output) == [("a", 3, 2), ("b", 2, 0)]
-    # d was asked for drafts and its proposer found none: a rejected first draft.
+    # d was asked for drafts and its proposer found none.
     assert _verified(scheduler_output, runner_output, asked=["d", "a"]) == [
-        ("a", 3, 2), ("b", 2, 0), ("d", 1, 0)]
+        ("a", 3, 2), ("b", 2, 0), ("d", 0, 0)]
     nothing = SimpleNamespace(scheduled_spec_decode_tokens={}, num_invalid_spec_tokens=None)
     assert _verified(nothing, runner_output) == []
 

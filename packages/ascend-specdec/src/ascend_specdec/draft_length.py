@@ -21,9 +21,9 @@ much as the tokens it would have saved. ``DraftLengthController`` decides online
   neighbouring length, drafted in full, so a change in load is seen.
 - **Yield, modelled**: the tokens a request emits per step at length ``k``, one plus the
   chances that its first ``1 .. k`` drafts are all accepted (the acceptance estimates above,
-  from every verified draft; a request that was asked for drafts and brought none counts as
-  a rejected first draft). Counting tokens per step instead would be far noisier: a step's
-  yield swings with the text.
+  from every verified draft, times the share of requests asked for drafts whose proposer
+  found any: n-gram and suffix often find none). Counting tokens per step instead would be
+  far noisier: a step's yield swings with the text.
 - **Choice**: the length with the most expected tokens per second of request time in this
   batch-size range (the shortest one within ``margin`` of it, so noise buys no drafts). Then
   each request keeps a draft only while the chance that it and the ones before it are
@@ -116,6 +116,8 @@ class DraftLengthController:
         self.calibration_rounds = calibration_rounds
         # Global per position (1-based j at index j-1), one accepted of two tried to start.
         self._positions = [_Counts(2.0, 1.0) for _ in range(max_k)]
+        # Of the requests asked for drafts, those whose proposer found some ("accepted").
+        self._found = _Counts(1.0, 1.0)
         self._requests: dict[str, _Counts] = {}
         # Per batch-size range: the lengths still to try at start-up, and the steps seen.
         self._calibration: dict[int, list[int]] = {}
@@ -126,13 +128,17 @@ class DraftLengthController:
     # ------------------------------------------------------------------ what was seen
 
     def observe_verification(self, results: Iterable[tuple[str, int, int]]) -> None:
-        """One step's verified drafts: ``(request id, drafts scored, drafts accepted)``."""
-        for counts in self._positions:
+        """One step's verified drafts: ``(request id, drafts scored, drafts accepted)``; 0
+        drafts scored: the request was asked for drafts and its proposer found none (n-gram,
+        suffix), which costs nothing to verify and says nothing of its drafts' acceptance."""
+        for counts in (*self._positions, self._found):
             counts.tried *= self.decay
             counts.accepted *= self.decay
         for req_id, drafts, accepted in results:
+            self._found.tried += 1.0
             if drafts <= 0:
                 continue
+            self._found.accepted += 1.0
             accepted = max(0, min(accepted, drafts))
             # Positions 1..accepted were accepted; the next one (if any) was tried and lost.
             for j in range(min(accepted + 1, drafts)):
@@ -164,8 +170,10 @@ class DraftLengthController:
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a request emits in a step that verifies ``k`` drafts (the global rates):
-        the bonus token and each draft whose predecessors were accepted with it."""
-        return 1.0 + sum(self.chain_probabilities()[:k])
+        the bonus token and each draft whose predecessors were accepted with it, where its
+        proposer finds drafts."""
+        found = self._found.accepted / self._found.tried
+        return 1.0 + found * sum(self.chain_probabilities()[:k])
 
     def chain_probabilities(self, req_id: str | None = None) -> list[float]:
         """``p[j-1]``: the chance the request's first ``j`` drafts are all accepted."""

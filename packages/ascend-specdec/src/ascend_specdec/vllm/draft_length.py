@@ -122,8 +122,8 @@ def _seeded(request) -> bool:
 
 def _verified(scheduler_output, model_runner_output, asked=()):
     """``(request id, drafts scored, drafts accepted)`` for each request that had drafts, and
-    ``(request id, 1, 0)`` for each one in ``asked`` (it was asked for drafts) that sampled
-    without any: a proposer that finds nothing (n-gram, suffix) yields like a rejection."""
+    ``(request id, 0, 0)`` for each one in ``asked`` (it was asked for drafts) that sampled
+    without any (a proposer that found nothing: n-gram, suffix)."""
     if not model_runner_output.sampled_token_ids:
         return []
     scheduled = scheduler_output.scheduled_spec_decode_tokens or {}
@@ -139,7 +139,7 @@ def _verified(scheduler_output, model_runner_output, asked=()):
             continue
         scored = len(scheduled.get(req_id, ())) - invalid.get(req_id, 0)
         results.append((req_id, scored, len(generated) - 1) if scored > 0
-                       else (req_id, 1, 0))
+                       else (req_id, 0, 0))
     return results
 
 
