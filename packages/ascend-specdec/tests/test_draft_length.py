@@ -94,6 +94,14 @@ def test_min_and_max_bound_every_choice():
     assert set(served(pinned, ["a"], {"a": 0}, lambda n, k: 0.01)) == {2}
 
 
+def test_a_position_never_tried_is_judged_like_the_one_before_it():
+    controller = DraftLengthController(max_k=K, decay=1.0)
+    assert controller.position_rates() == [0.5, 0.5, 0.5]
+    controller.observe_verification([("a", 2, 2)] * 30)  # position 3 never drafted
+    rates = controller.position_rates()
+    assert rates[0] > 0.95 and rates[2] == pytest.approx(rates[1])
+
+
 def test_finished_requests_are_forgotten():
     controller = DraftLengthController(max_k=K)
     controller.observe_verification([("gone", 3, 0)])
@@ -105,7 +113,7 @@ def test_finished_requests_are_forgotten():
 def test_acceptance_is_counted_per_position():
     controller = DraftLengthController(max_k=K, decay=1.0)
     # Three drafts, two accepted: positions 1 and 2 accepted, 3 tried and rejected.
-    controller.observe_verification([("a", 3, 2)] * 10)
+    controller.observe_verification([("a", 3, 2)] * 30)
     rates = controller.position_rates()
     assert rates[0] > 0.9 and rates[1] > 0.9 and rates[2] < 0.1
     chain = controller.chain_probabilities("a")

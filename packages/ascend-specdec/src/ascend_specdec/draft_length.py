@@ -110,12 +110,12 @@ class DraftLengthController:
             raise DraftLengthError(
                 f"min_k={min_k!r}: must be an integer from 0 to max_k={max_k}")
         self.max_k, self.min_k = max_k, min_k
-        self.decay, self.request_prior = decay, request_prior
+        self.decay, self.request_prior, self.position_prior = decay, request_prior, 2.0
         self.explore_every, self.margin, self.ragged = explore_every, margin, ragged
         self.times = StepTimes(window)
         self.calibration_rounds = calibration_rounds
         # Global per position (1-based j at index j-1), one accepted of two tried to start.
-        self._positions = [_Counts(2.0, 1.0) for _ in range(max_k)]
+        self._positions = [_Counts() for _ in range(max_k)]
         # Of the requests asked for drafts, those whose proposer found some ("accepted").
         self._found = _Counts(1.0, 1.0)
         self._requests: dict[str, _Counts] = {}
@@ -161,12 +161,22 @@ class DraftLengthController:
     # ------------------------------------------------------------------ estimates
 
     def position_rates(self) -> list[float]:
-        """Global acceptance rate of each draft position, given the earlier ones accepted."""
-        return [c.accepted / c.tried if c.tried > 0 else 0.0 for c in self._positions]
+        """Global acceptance rate of each draft position, given the earlier ones accepted.
+        Each position's counts are pulled towards the rate of the position before it (a few
+        pseudo-observations; the first towards one half): a position seldom drafted (the
+        lengths chosen stop short of it) is judged like its neighbour until it is tried,
+        instead of keeping a start-up guess that keeps it from being tried."""
+        rates, prior = [], 0.5
+        for counts in self._positions:
+            prior = ((counts.accepted + self.position_prior * prior)
+                     / (counts.tried + self.position_prior))
+            rates.append(prior)
+        return rates
 
     def _global_rate(self) -> float:
-        tried = sum(c.tried for c in self._positions)
-        return sum(c.accepted for c in self._positions) / tried if tried > 0 else 0.0
+        """Over all positions (with the first position's pseudo-observations)."""
+        tried = sum(c.tried for c in self._positions) + self.position_prior
+        return (sum(c.accepted for c in self._positions) + 0.5 * self.position_prior) / tried
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a request emits in a step that verifies ``k`` drafts (the global rates):
