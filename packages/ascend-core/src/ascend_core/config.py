@@ -182,10 +182,10 @@ class DraftLengthConfig(_Section):
     dynamic: bool = _key(
         False,
         "Choose the number of draft tokens every step, from min_num_speculative_tokens to "
-        "max_num_speculative_tokens, from the tokens per second and the acceptance measured "
-        "while serving. Off (the default until it beats a fixed length in "
-        "benchmarks/results/draft_length.md): every step drafts num_speculative_tokens, as "
-        "vLLM does.",
+        "max_num_speculative_tokens, from the step time per request measured at each length "
+        "and the acceptance seen while serving. Off (the default until it meets its pass "
+        "line in benchmarks/results/draft_length.md): every step drafts "
+        "num_speculative_tokens, as vLLM does.",
     )
     min_num_speculative_tokens: int = _key(
         0, "The fewest draft tokens a decoding request gets in a step (dynamic only).",
