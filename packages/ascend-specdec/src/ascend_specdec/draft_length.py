@@ -114,7 +114,7 @@ class DraftLengthController:
         self.explore_every, self.margin, self.ragged = explore_every, margin, ragged
         self.times = StepTimes(window)
         self.calibration_rounds = calibration_rounds
-        # Global per position (1-based j at index j-1), one accepted of two tried to start.
+        # Global per position (1-based j at index j-1); the priors are in position_rates.
         self._positions = [_Counts() for _ in range(max_k)]
         # Of the requests asked for drafts, those whose proposer found some ("accepted").
         self._found = _Counts(1.0, 1.0)
