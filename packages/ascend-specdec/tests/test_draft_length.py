@@ -135,7 +135,7 @@ def test_a_timed_step_is_kept_for_its_batch_size_range_and_length():
     """(Which steps are timed is the caller's part: test_vllm_draft_length.py.)"""
     controller = DraftLengthController(max_k=K)
     controller.observe_step(4, 2, 1.0)
-    assert controller.times.seconds(4, 2) == 1.0 and controller.times.per_request(4, 2) == 0.25
+    assert controller.times.table() == {(4, 2): (1.0, 0.25)}
 
 
 def test_step_times_are_kept_per_batch_size_range():
@@ -143,13 +143,13 @@ def test_step_times_are_kept_per_batch_size_range():
     assert [StepTimes.bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
     times.observe(3, 1, 2.0)
     times.observe(4, 1, 4.0)  # same range as 3
-    assert times.seconds(3, 1) == 3.0 and times.per_request(3, 1) == (2 / 3 + 1) / 2
-    assert times.seconds(5, 1) is None and times.per_request(5, 1) is None
+    assert times.per_request(3, 1) == (2 / 3 + 1) / 2
+    assert times.per_request(5, 1) is None
     times.observe(3, 1, float("nan"))
     times.observe(3, 1, -1.0)
-    assert times.seconds(4, 1) == 3.0
+    assert times.per_request(4, 1) == (2 / 3 + 1) / 2
     times.observe(3, 1, 1.0)  # the first step left the window of two
-    assert times.seconds(4, 1) == 2.5 and times.per_request(4, 1) == (1 + 1 / 3) / 2
+    assert times.per_request(4, 1) == (1 + 1 / 3) / 2
     assert times.table() == {(4, 1): (2.5, (1 + 1 / 3) / 2)}
 
 
@@ -171,9 +171,9 @@ def test_requests_whose_proposer_finds_no_drafts_lower_the_yield_not_the_accepta
     the drafts that were found are judged on their own."""
     controller = DraftLengthController(max_k=K, decay=1.0)
     controller.observe_verification([("a", 3, 3)] * 50)
-    full = controller.expected_tokens(K)
+    full = controller.expected_tokens()[K]
     controller.observe_verification([("b", 0, 0)] * 50)
     assert controller.chain_probabilities("b") == controller.chain_probabilities(None)
     assert controller.position_rates()[0] > 0.9
-    assert controller.expected_tokens(K) == pytest.approx(1 + (full - 1) * 51 / 101)
-    assert controller.expected_tokens(0) == 1.0
+    assert controller.expected_tokens()[K] == pytest.approx(1 + (full - 1) * 51 / 101)
+    assert controller.expected_tokens()[0] == 1.0

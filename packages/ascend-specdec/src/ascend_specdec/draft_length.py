@@ -50,7 +50,7 @@ class DraftLengthError(ValueError):
 
 class StepTimes:
     """Decode steps per (batch-size range, draft length): the last ``window`` steps' seconds
-    and request counts, for the range's mean step time and its time per request."""
+    and request counts, for the time per request in a step."""
 
     def __init__(self, window: int = 24) -> None:
         self.window = window
@@ -66,10 +66,6 @@ class StepTimes:
             return
         key = (self.bucket(num_requests), k_max)
         self._steps.setdefault(key, deque(maxlen=self.window)).append((seconds, num_requests))
-
-    def seconds(self, num_requests: int, k_max: int) -> float | None:
-        steps = self._steps.get((self.bucket(num_requests), k_max))
-        return sum(s for s, _ in steps) / len(steps) if steps else None
 
     def per_request(self, num_requests: int, k_max: int) -> float | None:
         """Seconds per request in a step (a range holds batches of different sizes), the
@@ -178,12 +174,15 @@ class DraftLengthController:
         tried = sum(c.tried for c in self._positions) + self.position_prior
         return (sum(c.accepted for c in self._positions) + 0.5 * self.position_prior) / tried
 
-    def expected_tokens(self, k: int) -> float:
-        """Tokens a request emits in a step that verifies ``k`` drafts (the global rates):
-        the bonus token and each draft whose predecessors were accepted with it, where its
-        proposer finds drafts."""
+    def expected_tokens(self) -> list[float]:
+        """``[k]``: the tokens a request emits in a step that verifies ``k`` drafts (global
+        rates), for k from 0 to ``max_k``: the bonus token and each draft whose predecessors
+        were accepted with it, where its proposer finds drafts."""
         found = self._found.accepted / self._found.tried
-        return 1.0 + found * sum(self.chain_probabilities()[:k])
+        expected = [1.0]
+        for p in self.chain_probabilities():
+            expected.append(expected[-1] + found * p)
+        return expected
 
     def chain_probabilities(self, req_id: str | None = None) -> list[float]:
         """``p[j-1]``: the chance the request's first ``j`` drafts are all accepted."""
@@ -231,7 +230,8 @@ class DraftLengthController:
             k_max = todo.pop(0)
             counts = {r: k_max for r in req_ids}
         else:
-            rates = {k: self.expected_tokens(k) / seconds
+            expected = self.expected_tokens()
+            rates = {k: expected[k] / seconds
                      for k in range(self.min_k, self.max_k + 1)
                      if (seconds := self.times.per_request(len(req_ids), k))}
             # The shortest length within ``margin`` of the best: drafting on noise costs.
@@ -248,15 +248,16 @@ class DraftLengthController:
                 todo.append(k_max)
                 counts = {r: k_max for r in req_ids}
             elif self.ragged:
-                counts = self._per_request(req_ids, k_max)
+                counts = self._per_request(req_ids, k_max, expected[k_max])
             else:
                 counts = {r: k_max for r in req_ids}
         return k_max, counts
 
-    def _per_request(self, req_ids: list[str], k_max: int) -> dict[str, int]:
+    def _per_request(self, req_ids: list[str], k_max: int, expected: float
+                     ) -> dict[str, int]:
         """Each request's drafts, in order, while a draft's chance of acceptance is worth
         the time it adds: a request-step's extra time per draft at ``k_max`` over the base
-        length, at that length's rate of tokens per second."""
+        length, at that length's rate (``expected`` tokens per request-step)."""
         counts = {r: k_max for r in req_ids}
         batch = len(req_ids)
         base = self.times.per_request(batch, self.min_k)
@@ -264,7 +265,7 @@ class DraftLengthController:
         if k_max <= self.min_k or not base or not full or full <= base:
             return counts
         per_draft = (full - base) / (k_max - self.min_k)
-        threshold = per_draft * self.expected_tokens(k_max) / full
+        threshold = per_draft * expected / full
         rates, overall = self.position_rates(), self._global_rate()  # once per step
         for r in req_ids:
             chain = self._chain(r, rates, overall)
