@@ -158,3 +158,66 @@ def test_two_level_inverse_cdf_equals_one_running_sum(vocab):
     assert torch.equal(picked, expected)
     assert torch.equal(total, cdf[:, -1])
     assert (weights.gather(1, picked.unsqueeze(1)) > 0).all()
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_rows_read_in_place_and_scaled_on_the_way_equal_copied_scaled_rows(with_draft_probs):
+    """``target_rows`` and ``temperature``: the runner's whole logits (bonus rows between the
+    draft rows), divided by each request's temperature as they are read, verify exactly as
+    the copied rows divided beforehand (powers of two, so both roundings agree)."""
+    lengths = [3, 0, 4, 1, 4, 2]
+    cu, drafts, draft_probs, logits, bonus, uniform, recovery = case(
+        6, lengths, vocab=300, with_draft_probs=with_draft_probs)
+    if not with_draft_probs:
+        drafts = logits.argmax(-1).to(torch.int32)
+    temperature = torch.tensor([0.5, 2.0, 0.25, 1.0, 0.5, 4.0])
+    # The runner's layout: each request's draft rows, then its bonus row (garbage here).
+    whole, rows, at = [], [], 0
+    for request, length in enumerate(lengths):
+        start = int(cu[request]) - length
+        whole += [logits[start:start + length], torch.full((1, 300), 1e4)]
+        rows += range(at, at + length)
+        at += length + 1
+    whole = torch.cat(whole)
+    request_of_row = torch.repeat_interleave(torch.arange(len(lengths)),
+                                             torch.tensor(lengths))
+    scaled = logits / temperature[request_of_row].unsqueeze(1)
+    expected = rejection_sample_from_logits(cu, drafts, draft_probs, scaled, bonus, uniform,
+                                            recovery, 4)
+    ours = rejection_sample_from_logits(cu, drafts, draft_probs, whole, bonus, uniform,
+                                        recovery, 4, target_rows=torch.tensor(rows),
+                                        temperature=temperature)
+    assert torch.equal(ours, expected)
+    assert 0 < sum(accepted_counts(ours)) < sum(lengths)
+    assert torch.equal(whole[rows], logits)  # read, not changed
+
+
+def test_bad_row_indices_and_temperatures_say_what_is_wrong():
+    cu, drafts, draft_probs, logits, bonus, uniform, recovery = case(7, [2, 1])
+    with pytest.raises(ValueError, match=r"target_rows has shape \(2,\)"):
+        rejection_sample_from_logits(cu, drafts, draft_probs, logits, bonus, uniform,
+                                     recovery, 2, target_rows=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"temperature has values <= 0 \(\[0.0\]\)"):
+        rejection_sample_from_logits(cu, drafts, draft_probs, logits, bonus, uniform,
+                                     recovery, 2, temperature=torch.tensor([1.0, 0.0]))
+    # A greedy request's 0 is fine: its rows are not read.
+    rejection_sample_from_logits(cu, drafts, draft_probs, logits, bonus, uniform, recovery, 2,
+                                 torch.tensor([False, True]),
+                                 temperature=torch.tensor([1.0, 0.0]))
+
+
+def test_rows_after_a_rejection_are_never_read():
+    """Position by position: a request's rows after its first rejection are not read (NaN
+    there changes nothing)."""
+    lengths = [4, 4]
+    cu, drafts, _, logits, bonus, uniform, recovery = case(8, lengths, vocab=50)
+    logits[0, 7] = 30.0   # request 0, position 0: p(7) ~ 1, accepted
+    logits[4, 9] = -30.0  # request 1, position 0: p(9) ~ 0, rejected
+    drafts[0], drafts[4] = 7, 9
+    poisoned = logits.clone()
+    poisoned[5:8] = float("nan")
+    out = rejection_sample_from_logits(cu, drafts, None, poisoned, bonus, uniform, recovery, 4)
+    assert out[0, 0] == 7 and out[1, 0] != 9
+    assert out[1, 1:].tolist() == [PLACEHOLDER_TOKEN_ID] * 4
+    assert torch.equal(out, rejection_sample_from_logits(cu, drafts, None, logits, bonus,
+                                                         uniform, recovery, 4))

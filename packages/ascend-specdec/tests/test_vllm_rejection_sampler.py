@@ -11,7 +11,7 @@ import pytest
 import torch
 from vllm.platforms import current_platform
 from vllm.v1.sample import rejection_sampler as vllm_rejection
-from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor import LogitsProcessors, MinTokensLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -299,6 +299,78 @@ def test_temperature_and_top_k_shape_the_distribution(from_logits):
     second_support = target_distribution(TARGET_LOGITS[1], temperature, top_k) > 0
     second = output[accepted_first, 1].long()
     assert second_support[second].all()
+
+
+@PATHS
+def test_temperature_alone_shapes_the_distribution(from_logits):
+    # Without top-k / top-p the CPU default verifies the runner's rows where they lie and
+    # divides by the temperature as it reads them.
+    drafts, output = sample_many(TARGET_LOGITS, DRAFT_Q, requests=20000, temperature=0.6,
+                                 from_logits=from_logits)
+    assert_distributed_as(output[:, 0].long(), target_distribution(TARGET_LOGITS[0], 0.6),
+                          "first token at temperature 0.6")
+    accepted_first = output[:, 0] == drafts[:, 0]
+    assert_distributed_as(output[accepted_first, 1].long(),
+                          target_distribution(TARGET_LOGITS[1], 0.6),
+                          "second token at temperature 0.6")
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_rows_verified_in_place_equal_the_copied_rows(monkeypatch, with_draft_probs):
+    """The no-copy way (draft rows read where the runner left them, temperature applied on
+    the way) emits what the copy-then-scale way emits for the same draws."""
+    generator = torch.Generator().manual_seed(11)
+    lengths = [4, 2, 0, 3, 4]
+    vocab = 500
+    logits = torch.randn(sum(lengths) + len(lengths), vocab, generator=generator) * 3
+    drafts = drafts_near_argmax(logits, lengths, generator)
+    draft_probs = None
+    if with_draft_probs:
+        draft_probs = (torch.randn(sum(lengths), vocab, generator=generator) * 3).softmax(-1)
+    # Powers of two: dividing and multiplying by the inverse round alike.
+    sampling = sampling_metadata([0.5, 1.0, 2.0, 0.25, 0.5])
+    taken = []
+    sampler = ours()
+    real_check = sampler._verifies_untouched_rows
+
+    def spy(*args):
+        taken.append(real_check(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(sampler, "_verifies_untouched_rows", spy)
+    untouched = logits.clone()
+    torch.manual_seed(5)
+    in_place = sampler(spec_metadata(drafts), draft_probs, logits, sampling).sampled_token_ids
+    assert taken == [True] and torch.equal(logits, untouched)
+    monkeypatch.setattr(sampler, "_verifies_untouched_rows", lambda *args: False)
+    torch.manual_seed(5)
+    copied = sampler(spec_metadata(drafts), draft_probs, logits, sampling).sampled_token_ids
+    assert torch.equal(in_place, copied)
+    accepted = [len(row) - 1 for row in rows_of(in_place)]
+    assert 0 < sum(accepted) < sum(lengths)
+
+
+def test_rows_are_copied_when_anything_but_the_temperature_changes_them():
+    sampler = ours()
+    logits = torch.zeros(3, 8)
+    plain = sampling_metadata([0.7, 0.9])
+    assert sampler._verifies_untouched_rows(logits, plain, False)
+    assert not sampler._verifies_untouched_rows(logits, plain, True)  # logprobs
+    assert not ours(from_logits=False)._verifies_untouched_rows(logits, plain, False)
+    assert not ours(backend="reference")._verifies_untouched_rows(logits, plain, False)
+    changed = [sampling_metadata([0.7, 0.0]), sampling_metadata([0.7, 0.9], top_k=[3, 3]),
+               sampling_metadata([0.7, 0.9], top_p=[0.5, 0.5]),
+               replace(plain, no_penalties=False),
+               replace(plain, allowed_token_ids_mask=torch.zeros(2, 8, dtype=torch.bool)),
+               replace(plain, bad_words_token_ids={0: [[3]]})]
+    min_tokens = object.__new__(MinTokensLogitsProcessor)
+    min_tokens.min_toks = {}
+    assert sampler._verifies_untouched_rows(
+        logits, replace(plain, logitsprocs=LogitsProcessors([min_tokens])), False)
+    min_tokens.min_toks = {0: (4, [], {7})}  # request 0 may not stop before 4 tokens
+    changed.append(replace(plain, logitsprocs=LogitsProcessors([min_tokens])))
+    for metadata in changed:
+        assert not sampler._verifies_untouched_rows(logits, metadata, False)
 
 
 @PATHS

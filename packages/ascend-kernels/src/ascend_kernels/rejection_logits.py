@@ -3,14 +3,16 @@
 The same verification as :func:`ascend_kernels.rejection.rejection_random_sample` with
 :func:`~ascend_kernels.rejection.sample_recovered_tokens` (accept draft ``x`` when
 ``u <= p(x) / q(x)``, at the first rejection emit a sample of ``normalize(max(p - q, 0))``,
-bonus token when all are accepted), arranged so that a CPU passes over the ``[N, V]`` target
-once instead of several times:
+bonus token when all are accepted), arranged so that a CPU reads as little of the ``[N, V]``
+target as the outcome allows:
 
-- acceptance needs ``p`` at the draft tokens only, gathered from one fused softmax pass;
-- a request emits a recovered token at one position at most (its first rejection), so the
-  residual ``max(p - q, 0)`` is built for those ``<= B`` rows only, not all ``N``;
-- the recovered token is drawn by inverse CDF from one uniform per request (block sums,
-  then a running sum inside one block, and binary searches), instead of ``[B, V]``
+- position by position: a row is read only if every earlier draft of its request was
+  accepted (the rows after a request's first rejection never matter);
+- each read row is turned into ``p`` a few rows at a time, in a small buffer that stays in
+  cache, with the temperature applied on the way when the caller has not applied it;
+- at a rejection the residual ``max(p - q, 0)`` is built from those rows while they are
+  still in cache, and its token drawn by inverse CDF from one uniform per request (block
+  sums, then a running sum inside one block, and binary searches), instead of ``[B, V]``
   exponential noise, which costs more to draw on a CPU than the target costs to read.
 
 Both ways draw exact samples of the same distributions; the tokens differ for the same
@@ -29,14 +31,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ascend_kernels.dispatch import REFERENCE, resolve_backend
+from ascend_kernels.dispatch import REFERENCE, require_float, resolve_backend
 from ascend_kernels.rejection import (
     _check_bonus_and_greedy,
     _check_layout,
     _check_out,
     _check_probs,
-    _leading_true,
     _positions,
+    _require_int,
     _require_noise,
     _require_shape,
     _write_rows,
@@ -61,6 +63,9 @@ def generate_recovery_uniforms(num_draft_tokens: Sequence[int],
 # row is sequential and slow on a CPU; block sums are not, and only one block per row then
 # needs a running sum.
 _CDF_BLOCK = 256
+# Target rows turned into probabilities at a time: 8 rows of a 150k vocabulary (5 MB) stay
+# in cache from the softmax to the residual.
+_ROWS_AT_A_TIME = 8
 
 
 def _inverse_cdf(weights: torch.Tensor,
@@ -77,7 +82,9 @@ def _inverse_cdf(weights: torch.Tensor,
         padded = weights.new_zeros(rows, blocks * _CDF_BLOCK)
         padded[:, :vocab] = weights
         padded = padded.view(rows, blocks, _CDF_BLOCK)
-    block_cdf = padded.sum(dim=2, dtype=torch.float64).cumsum(dim=1)
+    # Block sums in the weights' own precision (a float64 copy of the rows would cost more
+    # than the draw); the running sums over them in float64.
+    block_cdf = padded.sum(dim=2).double().cumsum(dim=1)
     threshold = (uniforms.double() * block_cdf[:, -1]).unsqueeze(1)
     block = torch.searchsorted(block_cdf, threshold, right=True).clamp_(max=blocks - 1)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
@@ -94,21 +101,80 @@ def _inverse_cdf(weights: torch.Tensor,
 
 
 def _sample_residual(probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                     rows: torch.Tensor, drafts: torch.Tensor,
-                     uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row in ``rows``, from ``normalize(max(p - q, 0))``."""
-    residual = probs.index_select(0, rows)
+                     drafts: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs [R, V]`` (changed in place), from
+    ``normalize(max(p - q, 0))``; ``draft_probs`` are the rows' ``q`` (None: one-hot at
+    ``drafts``)."""
     if draft_probs is None:
-        residual.scatter_(1, drafts.unsqueeze(1), 0.0)  # q is one-hot at the draft token
+        probs.scatter_(1, drafts.unsqueeze(1), 0.0)  # q is one-hot at the draft token
     else:
-        residual.sub_(draft_probs.index_select(0, rows).float()).clamp_(min=0.0)
-    picked, total = _inverse_cdf(residual, uniforms)
+        probs.sub_(draft_probs).clamp_(min=0.0)
+    picked, total = _inverse_cdf(probs, uniforms)
     empty = total <= 0
-    # No residual mass at all (p equals q, or p is one-hot at the draft): the draft is then
-    # always accepted, so this is never emitted; the target's argmax keeps it well defined.
+    # No residual mass at all: p equals q, or p is one-hot at the draft. The draft is then
+    # always accepted, so this is never emitted; q's argmax (p's) keeps it well defined.
     if bool(empty.any()):
-        picked = torch.where(empty, probs.index_select(0, rows).argmax(dim=-1), picked)
+        fallback = drafts if draft_probs is None else draft_probs.argmax(dim=-1)
+        picked = torch.where(empty, fallback, picked)
     return picked
+
+
+def _verify_position(target_logits: torch.Tensor, rows: torch.Tensor,
+                     scale: torch.Tensor | None, drafts: torch.Tensor,
+                     draft_probs: torch.Tensor | None, draft_rows: torch.Tensor,
+                     uniforms: torch.Tensor, recovery_uniform: torch.Tensor,
+                     buffers: tuple[torch.Tensor, torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify one draft token of each of ``R`` requests: ``rows [R]`` their rows of
+    ``target_logits``, ``scale [R]`` what to multiply them by first (None: nothing),
+    ``drafts [R]`` (-1: padding, rejected), ``draft_rows [R]`` their rows of ``draft_probs``,
+    ``uniforms [R]`` and ``recovery_uniform [R]``; ``buffers``: two float32
+    ``[_ROWS_AT_A_TIME, V]`` tensors to work in. Returns whether each was accepted and the
+    recovered token where it was not (anything where it was)."""
+    vocab_ids = drafts.clamp(min=0)
+    accepted = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)
+    recovered = torch.zeros_like(vocab_ids)
+    for start in range(0, rows.shape[0], _ROWS_AT_A_TIME):
+        part = slice(start, start + _ROWS_AT_A_TIME)
+        count = rows[part].shape[0]
+        logits, probs = (buffer[:count] for buffer in buffers)
+        if target_logits.dtype == torch.float32:
+            torch.index_select(target_logits, 0, rows[part], out=logits)
+        else:
+            logits.copy_(target_logits.index_select(0, rows[part]))
+        if scale is not None:
+            logits.mul_(scale[part].unsqueeze(1))
+        torch.softmax(logits, dim=-1, out=probs)
+        target_p = probs.gather(1, vocab_ids[part].unsqueeze(1)).squeeze(1)
+        if draft_probs is None:
+            accept = target_p >= uniforms[part]  # q = 1 for argmax drafts
+        else:
+            draft_p = draft_probs[draft_rows[part], vocab_ids[part]].float()
+            accept = (draft_p > 0) & (target_p / torch.where(draft_p > 0, draft_p, 1.0)
+                                      >= uniforms[part])
+        accept &= drafts[part] >= 0
+        accepted[part] = accept
+        rejected = (~accept).nonzero().squeeze(1)
+        rejections = rejected.numel()
+        if rejections == 0:
+            continue
+        # The residual is built in the two buffers: p's rejected rows, and q's beside them.
+        if rejections == count:
+            residual, spare = probs, logits
+        else:
+            residual = torch.index_select(probs, 0, rejected, out=logits[:rejections])
+            spare = probs
+        residual_q = None
+        if draft_probs is not None:
+            residual_q = spare[:rejections]
+            q_rows = draft_rows[part][rejected]
+            if draft_probs.dtype == torch.float32:
+                torch.index_select(draft_probs, 0, q_rows, out=residual_q)
+            else:
+                residual_q.copy_(draft_probs.index_select(0, q_rows))
+        recovered[start + rejected] = _sample_residual(
+            residual, residual_q, vocab_ids[part][rejected], recovery_uniform[part][rejected])
+    return accepted, recovered
 
 
 def rejection_sample_from_logits_reference(out: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
@@ -118,37 +184,42 @@ def rejection_sample_from_logits_reference(out: torch.Tensor, cu_num_draft_token
                                            bonus_token_ids: torch.Tensor,
                                            uniform_probs: torch.Tensor,
                                            recovery_uniform: torch.Tensor,
-                                           is_greedy: torch.Tensor | None) -> torch.Tensor:
+                                           is_greedy: torch.Tensor | None,
+                                           target_rows: torch.Tensor | None = None,
+                                           temperature: torch.Tensor | None = None
+                                           ) -> torch.Tensor:
     width = out.shape[1]
     tokens = draft_token_ids.shape[0]
     counts, real, flat = _positions(cu_num_draft_tokens, tokens, width - 1)
     random_rows = None if is_greedy is None else ~is_greedy
+    emitted = torch.zeros_like(flat)
+    accepted = torch.zeros_like(counts)
     if tokens == 0:
-        return _write_rows(out, random_rows, torch.zeros_like(flat), counts, counts,
-                           bonus_token_ids)
+        return _write_rows(out, random_rows, emitted, counts, counts, bonus_token_ids)
     drafts = draft_token_ids.long()
-    vocab_ids = drafts.clamp(min=0)  # -1 marks a padded draft, rejected below
-    # One fused pass; on a CPU cheaper than a logsumexp, which takes four.
-    probs = target_logits.softmax(dim=-1, dtype=torch.float32)
-    target_p = probs.gather(1, vocab_ids.unsqueeze(1)).squeeze(1)
-    if draft_probs is None:
-        accept = target_p >= uniform_probs  # q = 1 for argmax drafts
-    else:
-        draft_p = draft_probs.gather(1, vocab_ids.unsqueeze(1)).squeeze(1).float()
-        ratio = target_p / torch.where(draft_p > 0, draft_p, 1.0)
-        accept = (draft_p > 0) & (ratio >= uniform_probs)
-    accept &= drafts >= 0
-    accepted = _leading_true(real & accept[flat])
-    emitted = torch.where(real, drafts[flat], 0)
-    rejected = accepted < counts
-    if random_rows is not None:
-        rejected &= random_rows
-    requests = rejected.nonzero().squeeze(1)
-    if requests.numel():
-        rows = flat[requests, accepted[requests]]
-        recovered = _sample_residual(probs, draft_probs, rows, vocab_ids[rows],
-                                     recovery_uniform[requests].double())
-        emitted[requests, accepted[requests]] = recovered
+    uniforms = uniform_probs.double()
+    recovery = recovery_uniform.double()
+    scale = None if temperature is None else 1.0 / temperature.float()
+    buffers = tuple(torch.empty(_ROWS_AT_A_TIME, target_logits.shape[1],
+                                device=target_logits.device) for _ in range(2))
+    # Requests still verifying: the first position of every random request with drafts;
+    # from there on, only those that accepted every earlier draft.
+    alive = real[:, 0] if random_rows is None else real[:, 0] & random_rows
+    for position in range(width - 1):
+        requests = alive.nonzero().squeeze(1)
+        if requests.numel() == 0:
+            break
+        flat_ids = flat[requests, position]
+        rows = flat_ids if target_rows is None else target_rows.long()[flat_ids]
+        accept, recovered = _verify_position(
+            target_logits, rows, None if scale is None else scale[requests],
+            drafts[flat_ids], draft_probs, flat_ids, uniforms[flat_ids],
+            recovery[requests], buffers)
+        emitted[requests, position] = torch.where(accept, drafts[flat_ids], recovered)
+        accepted[requests] += accept.long()
+        alive = torch.zeros_like(alive)
+        if position + 1 < width - 1:
+            alive[requests] = accept & real[requests, position + 1]
     return _write_rows(out, random_rows, emitted, counts, accepted, bonus_token_ids)
 
 
@@ -158,20 +229,44 @@ def rejection_sample_from_logits(cu_num_draft_tokens: torch.Tensor,
                                  bonus_token_ids: torch.Tensor, uniform_probs: torch.Tensor,
                                  recovery_uniform: torch.Tensor, max_spec_len: int,
                                  is_greedy: torch.Tensor | None = None, *,
+                                 target_rows: torch.Tensor | None = None,
+                                 temperature: torch.Tensor | None = None,
                                  out: torch.Tensor | None = None,
                                  backend: str | None = None) -> torch.Tensor:
     """Random verification from the target's logits (see the module docstring).
 
-    ``target_logits [N, V]`` (after temperature / top-k / top-p; ``p`` is their softmax),
-    ``draft_probs [N, V]`` or None (``q = 1``, argmax drafts), ``uniform_probs [N]``,
-    ``recovery_uniform [B]``. Rows with ``is_greedy`` True are left alone; ``out`` as in
-    :func:`ascend_kernels.rejection.rejection_greedy_sample`.
+    ``target_logits [N, V]`` (after top-k / top-p, and after temperature unless
+    ``temperature`` is given; ``p`` is their softmax), ``draft_probs [N, V]`` or None
+    (``q = 1``, argmax drafts), ``uniform_probs [N]``, ``recovery_uniform [B]``.
+    ``target_rows [N]``: the row of ``target_logits`` that holds each draft token's logits,
+    when it holds other rows too (the runner's whole logits, bonus rows included: no copy
+    of the draft rows is made). ``temperature [B]``: each request's, to divide its rows by
+    on the way (the logits are not changed). Rows with ``is_greedy`` True are left alone;
+    ``out`` as in :func:`ascend_kernels.rejection.rejection_greedy_sample`.
     """
     op = "rejection_sample_from_logits"
     batch, tokens = _check_layout(op, cu_num_draft_tokens, draft_token_ids, max_spec_len)
-    vocab = _check_probs(op, "target_logits", target_logits, tokens, None)
+    if target_rows is None:
+        vocab = _check_probs(op, "target_logits", target_logits, tokens, None)
+    else:
+        require_float(op, "target_logits", target_logits)
+        if target_logits.dim() != 2:
+            raise ValueError(f"{op}: target_logits has shape {tuple(target_logits.shape)}; "
+                             "it must be (rows, vocab)")
+        _require_int(op, "target_rows", target_rows, 1)
+        _require_shape(op, "target_rows", target_rows, (tokens,), "one per draft token")
+        vocab = target_logits.shape[1]
     if draft_probs is not None:
         _check_probs(op, "draft_probs", draft_probs, tokens, vocab)
+    if temperature is not None:
+        require_float(op, "temperature", temperature)
+        _require_shape(op, "temperature", temperature, (batch,), "one per request")
+        if is_greedy is None and bool((temperature <= 0).any()):
+            raise ValueError(f"{op}: temperature has values <= 0 "
+                             f"({temperature[temperature <= 0].tolist()[:4]}) for requests "
+                             "not marked greedy; give is_greedy for them, or a positive "
+                             "temperature")
+        temperature = torch.where(temperature > 0, temperature, 1.0)
     _require_noise(op, "uniform_probs", uniform_probs, "float64 (as vLLM) or float32")
     _require_shape(op, "uniform_probs", uniform_probs, (tokens,), "one per draft token")
     _require_noise(op, "recovery_uniform", recovery_uniform, "float64 or float32")
@@ -183,4 +278,5 @@ def rejection_sample_from_logits(cu_num_draft_tokens: torch.Tensor,
         return out
     return rejection_sample_from_logits_reference(out, cu_num_draft_tokens, draft_token_ids,
                                                   draft_probs, target_logits, bonus,
-                                                  uniform_probs, recovery_uniform, is_greedy)
+                                                  uniform_probs, recovery_uniform, is_greedy,
+                                                  target_rows, temperature)

@@ -80,13 +80,20 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
                      generators: Mapping[int, torch.Generator] | None = None,
                      use_fp64_gumbel: bool = False,
                      backend: str | None = None,
-                     from_logits: bool | None = None) -> torch.Tensor:
+                     from_logits: bool | None = None,
+                     target_rows: torch.Tensor | None = None,
+                     temperature_applied: bool = True) -> torch.Tensor:
     """Verify the drafts of a whole step (see the module docstring).
 
     ``target_logits [N, V]``: the target's logits at the draft positions, after
     :func:`apply_sampling_constraints`. ``draft_probs [N, V]`` or None.
     ``bonus_token_ids [B]`` or ``[B, 1]``. ``temperature [B]`` (0 marks a greedy request)
     may be None only when ``all_greedy``.
+
+    When every request is random and the rows are verified from the logits, the caller may
+    skip copying and scaling the draft rows: ``target_rows [N]`` gives each draft token's
+    row of ``target_logits`` (the runner's whole logits), and ``temperature_applied=False``
+    says they are not yet divided by the temperatures (no top-k / top-p either).
 
     Random rows take one of two exact ways: ``from_logits`` (the default on the CPU, without
     a forced backend) verifies straight from the logits and draws a recovered token only
@@ -118,13 +125,17 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
         if all_greedy:
             return out
     if from_logits is None:
-        from_logits = device.type == "cpu" and backend is None
+        from_logits = verifies_from_logits(device, backend)
+    if (target_rows is not None or not temperature_applied) and not (from_logits and all_random):
+        raise ValueError("rejection_sample: target_rows / temperature_applied=False serve "
+                         "only an all-random batch verified from the logits (from_logits); "
+                         "copy the draft rows and apply the temperature first")
     if from_logits:
         recovery_uniform = generate_recovery_uniforms(num_draft_tokens, generators, device)
-        return rejection_sample_from_logits(cu_num_draft_tokens, draft_token_ids, draft_probs,
-                                            target_logits, bonus_token_ids, uniform_probs,
-                                            recovery_uniform, max_spec_len, is_greedy,
-                                            out=out)
+        return rejection_sample_from_logits(
+            cu_num_draft_tokens, draft_token_ids, draft_probs, target_logits, bonus_token_ids,
+            uniform_probs, recovery_uniform, max_spec_len, is_greedy, target_rows=target_rows,
+            temperature=None if temperature_applied else temperature, out=out)
     target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
     inv_q = generate_recovery_noise(num_draft_tokens, target_probs.shape[1], generators, device,
                                     torch.float64 if use_fp64_gumbel else torch.float32)
@@ -133,6 +144,12 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     return rejection_random_sample(cu_num_draft_tokens, draft_token_ids, draft_probs,
                                    target_probs, bonus_token_ids, recovered, uniform_probs,
                                    max_spec_len, is_greedy, out=out, backend=backend)
+
+
+def verifies_from_logits(device: torch.device, backend: str | None) -> bool:
+    """Whether random rows are verified from the logits by default: on the CPU, unless a
+    backend is forced."""
+    return torch.device(device).type == "cpu" and backend is None
 
 
 def configured_backend(device) -> str | None:

@@ -14,10 +14,15 @@ from dataclasses import replace
 
 import torch
 from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.logits_processor import MinTokensLogitsProcessor
 from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN, RejectionSampler
 
 from ascend_kernels.sampling import apply_penalties
-from ascend_specdec.rejection import apply_sampling_constraints, rejection_sample
+from ascend_specdec.rejection import (
+    apply_sampling_constraints,
+    rejection_sample,
+    verifies_from_logits,
+)
 
 
 class AscendRejectionSampler(RejectionSampler):
@@ -53,6 +58,16 @@ class AscendRejectionSampler(RejectionSampler):
             logprobs_mode_override=("processed_logits" if self.is_processed_logprobs_mode
                                     else "raw_logits"),
         )
+        if self._verifies_untouched_rows(logits, sampling_metadata, wants_logprobs):
+            # Nothing changes the draft rows but the temperature, which the verification
+            # applies as it reads them: no copy of [N, V].
+            output_token_ids = rejection_sample(
+                metadata.draft_token_ids, metadata.num_draft_tokens,
+                metadata.cu_num_draft_tokens, metadata.max_spec_len, draft_probs, logits,
+                bonus_output.sampled_token_ids, temperature=sampling_metadata.temperature,
+                all_greedy=False, all_random=True, generators=sampling_metadata.generators,
+                target_rows=metadata.target_logits_indices, temperature_applied=False)
+            return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=None)
         # A copy, so the target rows may be changed in place from here on (index_select: on
         # a CPU several times faster than indexing with a tensor).
         raw_target_logits = logits.index_select(0, metadata.target_logits_indices)
@@ -82,6 +97,25 @@ class AscendRejectionSampler(RejectionSampler):
                 bonus_output.logprobs_tensors.logprobs, output_token_ids)
         return SamplerOutput(sampled_token_ids=output_token_ids,
                              logprobs_tensors=logprobs_tensors)
+
+    def _verifies_untouched_rows(self, logits, sampling_metadata, wants_logprobs) -> bool:
+        """Whether the draft rows can be verified where they lie: every request random, no
+        top-k / top-p or logprobs, verified from the logits, and nothing that vLLM's
+        ``apply_logits_processors`` (0.32) changes rows for: penalties, allowed token ids,
+        bad words, min tokens, a thinking budget."""
+        metadata = sampling_metadata
+        if (not metadata.all_random or metadata.top_k is not None or metadata.top_p is not None
+                or wants_logprobs or self.from_logits is False
+                or not verifies_from_logits(logits.device, self.backend)):
+            return False
+        if (not metadata.no_penalties or metadata.allowed_token_ids_mask is not None
+                or metadata.bad_words_token_ids):
+            return False
+        if any(isinstance(processor, MinTokensLogitsProcessor) and processor.min_toks
+               for processor in metadata.logitsprocs.non_argmax_invariant):
+            return False
+        holder = getattr(metadata, "thinking_budget_state_holder", None)
+        return holder is None or not holder.has_tracked_requests()
 
     @staticmethod
     def apply_penalties(logits, sampling_metadata, metadata, repeat_indices,
