@@ -13,6 +13,7 @@ from ascend_kernels.rejection_logits import (
     _inverse_cdf,
     generate_recovery_uniforms,
     rejection_sample_from_logits,
+    row_argmax,
 )
 
 
@@ -221,3 +222,19 @@ def test_rows_after_a_rejection_are_never_read():
     assert out[1, 1:].tolist() == [PLACEHOLDER_TOKEN_ID] * 4
     assert torch.equal(out, rejection_sample_from_logits(cu, drafts, None, logits, bonus,
                                                          uniform, recovery, 4))
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 4096, 32000 + 3])
+def test_row_argmax_is_torchs_argmax(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 4, (16, vocab), generator=g).float()  # many equal maxima
+    x[1] = 5.0  # all equal: index 0
+    x[2, -1] = 9.0  # the tail (or last block) wins
+    x[3, vocab // 2] = float("nan")  # NaN counts as the largest
+    x[3, -1] = float("nan")
+    x[4, -1] = float("nan")
+    x[5] = float("-inf")
+    x[6, 0] = x[6, -1] = 7.0  # a tie between the first block and the tail: the first
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    strided = torch.randn(8, 2 * vocab, generator=g)[:, ::2]
+    assert torch.equal(row_argmax(strided), strided.argmax(dim=-1))

@@ -315,8 +315,9 @@ def test_temperature_alone_shapes_the_distribution(from_logits):
                           "second token at temperature 0.6")
 
 
-@pytest.mark.parametrize("with_draft_probs", [True, False])
-def test_rows_verified_in_place_equal_the_copied_rows(monkeypatch, with_draft_probs):
+@pytest.mark.parametrize("with_draft_probs,greedy", [(True, False), (False, False),
+                                                     (False, True)])
+def test_rows_verified_in_place_equal_the_copied_rows(monkeypatch, with_draft_probs, greedy):
     """The no-copy way (draft rows read where the runner left them, temperature applied on
     the way) emits what the copy-then-scale way emits for the same draws."""
     generator = torch.Generator().manual_seed(11)
@@ -328,7 +329,7 @@ def test_rows_verified_in_place_equal_the_copied_rows(monkeypatch, with_draft_pr
     if with_draft_probs:
         draft_probs = (torch.randn(sum(lengths), vocab, generator=generator) * 3).softmax(-1)
     # Powers of two: dividing and multiplying by the inverse round alike.
-    sampling = sampling_metadata([0.5, 1.0, 2.0, 0.25, 0.5])
+    sampling = sampling_metadata([0.0] * 5 if greedy else [0.5, 1.0, 2.0, 0.25, 0.5])
     taken = []
     sampler = ours()
     real_check = sampler._verifies_untouched_rows
@@ -348,6 +349,8 @@ def test_rows_verified_in_place_equal_the_copied_rows(monkeypatch, with_draft_pr
     assert torch.equal(in_place, copied)
     accepted = [len(row) - 1 for row in rows_of(in_place)]
     assert 0 < sum(accepted) < sum(lengths)
+    if greedy:
+        assert rows_of(in_place) == greedy_chain(drafts, logits)
 
 
 def test_rows_are_copied_when_anything_but_the_temperature_changes_them():

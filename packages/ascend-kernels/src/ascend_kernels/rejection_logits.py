@@ -68,6 +68,30 @@ _CDF_BLOCK = 256
 _ROWS_AT_A_TIME = 8
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a 2-D float tensor, the same index (first of equal maxima,
+    NaN counting as the largest), in about a third of the time on a CPU: the maxima of
+    ``_CDF_BLOCK``-token blocks are one vectorised pass near memory speed, torch's argmax
+    is not; then the argmax among the blocks and inside the winning one. Other devices get
+    torch's argmax."""
+    rows, vocab = x.shape
+    full = vocab // _CDF_BLOCK * _CDF_BLOCK
+    if x.device.type != "cpu" or full == 0 or x.stride(1) != 1:
+        return x.argmax(dim=-1)
+    blocks = x[:, :full].unflatten(1, (-1, _CDF_BLOCK))
+    block = blocks.amax(dim=2).argmax(dim=1)
+    inside = blocks[torch.arange(rows, device=x.device), block]
+    picked = block * _CDF_BLOCK + inside.argmax(dim=1)
+    if full == vocab:
+        return picked
+    tail = x[:, full:]
+    best = x.gather(1, picked.unsqueeze(1)).squeeze(1)
+    tail_best = tail.amax(dim=1)
+    # The tail comes last: it wins only with a strictly larger value, or a NaN against none.
+    wins = (tail_best > best) | (tail_best.isnan() & ~best.isnan())
+    return torch.where(wins, full + tail.argmax(dim=1), picked)
+
+
 def _inverse_cdf(weights: torch.Tensor,
                  uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``weights [R, V]`` (>= 0): the first token whose cumulative weight

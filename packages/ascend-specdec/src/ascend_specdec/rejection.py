@@ -38,6 +38,7 @@ from ascend_kernels.rejection import (
 from ascend_kernels.rejection_logits import (
     generate_recovery_uniforms,
     rejection_sample_from_logits,
+    row_argmax,
 )
 from ascend_kernels.sampling import apply_top_k_top_p
 
@@ -90,10 +91,11 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     ``bonus_token_ids [B]`` or ``[B, 1]``. ``temperature [B]`` (0 marks a greedy request)
     may be None only when ``all_greedy``.
 
-    When every request is random and the rows are verified from the logits, the caller may
-    skip copying and scaling the draft rows: ``target_rows [N]`` gives each draft token's
-    row of ``target_logits`` (the runner's whole logits), and ``temperature_applied=False``
-    says they are not yet divided by the temperatures (no top-k / top-p either).
+    When every request is greedy, or every one is random and the rows are verified from the
+    logits, the caller may skip copying and scaling the draft rows: ``target_rows [N]``
+    gives each draft token's row of ``target_logits`` (the runner's whole logits), and
+    ``temperature_applied=False`` says they are not yet divided by the temperatures (no
+    top-k / top-p either).
 
     Random rows take one of two exact ways: ``from_logits`` (the default on the CPU, without
     a forced backend) verifies straight from the logits and draws a recovered token only
@@ -117,8 +119,13 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     uniform_probs = None
     if not all_greedy:
         uniform_probs = generate_uniform_probs(num_draft_tokens, generators, device)
+    if target_rows is not None and not (all_greedy or all_random):
+        raise ValueError("rejection_sample: target_rows serves a batch that is all greedy or "
+                         "all random; copy the draft rows of a mixed batch first")
     if not all_random:
-        target_argmax = target_logits.argmax(dim=-1)
+        target_argmax = row_argmax(target_logits)
+        if target_rows is not None:
+            target_argmax = target_argmax[target_rows.long()]
         rejection_greedy_sample(cu_num_draft_tokens, draft_token_ids, target_argmax,
                                 bonus_token_ids, max_spec_len, is_greedy, out=out,
                                 backend=backend)
@@ -126,10 +133,10 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
             return out
     if from_logits is None:
         from_logits = verifies_from_logits(device, backend)
-    if (target_rows is not None or not temperature_applied) and not (from_logits and all_random):
+    if (target_rows is not None or not temperature_applied) and not from_logits:
         raise ValueError("rejection_sample: target_rows / temperature_applied=False serve "
-                         "only an all-random batch verified from the logits (from_logits); "
-                         "copy the draft rows and apply the temperature first")
+                         "random rows verified from the logits (from_logits) only; copy the "
+                         "draft rows and apply the temperature first")
     if from_logits:
         recovery_uniform = generate_recovery_uniforms(num_draft_tokens, generators, device)
         return rejection_sample_from_logits(

@@ -65,7 +65,9 @@ class AscendRejectionSampler(RejectionSampler):
                 metadata.draft_token_ids, metadata.num_draft_tokens,
                 metadata.cu_num_draft_tokens, metadata.max_spec_len, draft_probs, logits,
                 bonus_output.sampled_token_ids, temperature=sampling_metadata.temperature,
-                all_greedy=False, all_random=True, generators=sampling_metadata.generators,
+                all_greedy=sampling_metadata.all_greedy,
+                all_random=sampling_metadata.all_random,
+                generators=sampling_metadata.generators,
                 target_rows=metadata.target_logits_indices, temperature_applied=False)
             return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=None)
         # A copy, so the target rows may be changed in place from here on (index_select: on
@@ -99,13 +101,13 @@ class AscendRejectionSampler(RejectionSampler):
                              logprobs_tensors=logprobs_tensors)
 
     def _verifies_untouched_rows(self, logits, sampling_metadata, wants_logprobs) -> bool:
-        """Whether the draft rows can be verified where they lie: every request random, no
-        top-k / top-p or logprobs, verified from the logits, and nothing that vLLM's
-        ``apply_logits_processors`` (0.32) changes rows for: penalties, allowed token ids,
-        bad words, min tokens, a thinking budget."""
+        """Whether the draft rows can be verified where they lie: every request greedy or
+        every one random, no top-k / top-p or logprobs, verified from the logits (the CPU
+        default), and nothing that vLLM's ``apply_logits_processors`` (0.32) changes rows
+        for: penalties, allowed token ids, bad words, min tokens, a thinking budget."""
         metadata = sampling_metadata
-        if (not metadata.all_random or metadata.top_k is not None or metadata.top_p is not None
-                or wants_logprobs or self.from_logits is False
+        if (not (metadata.all_random or metadata.all_greedy) or metadata.top_k is not None
+                or metadata.top_p is not None or wants_logprobs or self.from_logits is False
                 or not verifies_from_logits(logits.device, self.backend)):
             return False
         if (not metadata.no_penalties or metadata.allowed_token_ids_mask is not None
