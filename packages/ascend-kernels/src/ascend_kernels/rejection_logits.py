@@ -63,9 +63,10 @@ def generate_recovery_uniforms(num_draft_tokens: Sequence[int],
 # row is sequential and slow on a CPU; block sums are not, and only one block per row then
 # needs a running sum.
 _CDF_BLOCK = 256
-# Target rows turned into probabilities at a time: 8 rows of a 150k vocabulary (5 MB) stay
-# in cache from the softmax to the residual.
-_ROWS_AT_A_TIME = 8
+# Target logits turned into probabilities at a time: about 4 MB (8 rows of a 150k
+# vocabulary, 32 of a 32k one) stay in cache from the softmax to the residual, and the
+# per-chunk work is spread over enough rows to cost little.
+_CHUNK_ELEMENTS = 1 << 20
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -152,14 +153,15 @@ def _verify_position(target_logits: torch.Tensor, rows: torch.Tensor,
     """Verify one draft token of each of ``R`` requests: ``rows [R]`` their rows of
     ``target_logits``, ``scale [R]`` what to multiply them by first (None: nothing),
     ``drafts [R]`` (-1: padding, rejected), ``draft_rows [R]`` their rows of ``draft_probs``,
-    ``uniforms [R]`` and ``recovery_uniform [R]``; ``buffers``: two float32
-    ``[_ROWS_AT_A_TIME, V]`` tensors to work in. Returns whether each was accepted and the
+    ``uniforms [R]`` and ``recovery_uniform [R]``; ``buffers``: two float32 ``[rows, V]``
+    tensors to work in, ``rows`` at a time. Returns whether each was accepted and the
     recovered token where it was not (anything where it was)."""
     vocab_ids = drafts.clamp(min=0)
     accepted = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)
     recovered = torch.zeros_like(vocab_ids)
-    for start in range(0, rows.shape[0], _ROWS_AT_A_TIME):
-        part = slice(start, start + _ROWS_AT_A_TIME)
+    at_a_time = buffers[0].shape[0]
+    for start in range(0, rows.shape[0], at_a_time):
+        part = slice(start, start + at_a_time)
         count = rows[part].shape[0]
         logits, probs = (buffer[:count] for buffer in buffers)
         if target_logits.dtype == torch.float32:
@@ -224,8 +226,10 @@ def rejection_sample_from_logits_reference(out: torch.Tensor, cu_num_draft_token
     uniforms = uniform_probs.double()
     recovery = recovery_uniform.double()
     scale = None if temperature is None else 1.0 / temperature.float()
-    buffers = tuple(torch.empty(_ROWS_AT_A_TIME, target_logits.shape[1],
-                                device=target_logits.device) for _ in range(2))
+    vocab = target_logits.shape[1]
+    at_a_time = max(1, min(_CHUNK_ELEMENTS // max(vocab, 1), out.shape[0]))
+    buffers = tuple(torch.empty(at_a_time, vocab, device=target_logits.device)
+                    for _ in range(2))
     # Requests still verifying: the first position of every random request with drafts;
     # from there on, only those that accepted every earlier draft.
     alive = real[:, 0] if random_rows is None else real[:, 0] & random_rows
