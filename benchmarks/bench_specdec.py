@@ -215,7 +215,7 @@ def run_config(config: dict, options: argparse.Namespace) -> dict:
     args = {"model": config["model"], "dtype": options.dtype, "prompts": config["prompts"],
             "max_model_len": options.max_model_len, "max_tokens": options.max_tokens,
             "batches": list(BATCHES), "llm": llm, "repeats": options.repeats,
-            "top2_gaps": config["spec"] is None}
+            "top2_gaps": config.get("top2_gaps", config["spec"] is None)}
     label = f"{config['name']} ({config['stack']}, {config['target']} target)"
     print(f"[bench_specdec] {label}...", file=sys.stderr, flush=True)
     started = time.monotonic()

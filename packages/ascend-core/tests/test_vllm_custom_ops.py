@@ -87,10 +87,25 @@ def test_rotary_embedding_equals_vllms(vllm_context, is_neox_style, rotary_dim):
     query, key = torch.randn(7, 4 * 64), torch.randn(7, 2 * 64)
     ref_q, ref_k = rope.forward_native(positions, query.clone(), key.clone())
     q, k = query.clone(), key.clone()
-    out_q, out_k = rope.forward_cpu(positions, q, k)
+    out_q, out_k = rope.forward_oot(positions, q, k)  # ascend-kernels, as on npu
     torch.testing.assert_close(out_q, ref_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_k, ref_k, atol=1e-5, rtol=1e-5)
     assert out_q.data_ptr() == q.data_ptr()  # in place, like vLLM's device kernels
+
+
+def test_host_rotary_embedding_is_vllms_cpu_kernel(vllm_context):
+    """The host target rotates with vLLM's C++ CPU kernel (faster than ascend-kernels'
+    reference), in place, to the same values."""
+    rope = AscendRotaryEmbedding(64, 64, 256, 10000.0, True, torch.float32)
+    assert rope.forward_cpu.__func__ is RotaryEmbedding.forward_cpu
+    positions = torch.randint(0, 256, (7,))
+    query, key = torch.randn(7, 4 * 64), torch.randn(7, 2 * 64)
+    ours_q, ours_k = rope.forward_oot(positions, query.clone(), key.clone())
+    q, k = query.clone(), key.clone()
+    out_q, out_k = rope.forward_cpu(positions, q, k)
+    torch.testing.assert_close(out_q, ours_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_k, ours_k, atol=1e-5, rtol=1e-5)
+    assert out_q.data_ptr() == q.data_ptr()
 
 
 def test_rope_launch_size_comes_from_the_environment(vllm_context, monkeypatch):
