@@ -3,10 +3,11 @@ vLLM on the host.
 
 The trained demo model in float32 serves held-out code prompts at batch 1, 8 and 64 in one
 engine per configuration (this file is also that engine's script): n-gram, suffix decoding,
-the demo's Medusa heads, and an EAGLE draft of random weights (its drafts are almost never accepted). Greedy
-tokens equal those without speculation at every batch size, whatever lengths were chosen; the
-controller's own record (the lengths it chose, its acceptance estimates) comes back from the
-scheduler.
+the demo's Medusa heads, and EAGLE and EAGLE-3 drafts of random weights (their drafts are
+almost never accepted); MTP on a tiny random DeepSeek-V3 target with one MTP layer (test
+test_eagle_mtp.py's). Greedy tokens equal those without speculation at every batch size,
+whatever lengths were chosen; the controller's own record (the lengths it chose, its
+acceptance estimates) comes back from the scheduler.
 """
 
 from __future__ import annotations
@@ -56,14 +57,34 @@ def run(model: str, **llm) -> dict:
 
 
 @pytest.fixture(scope="module")
-def plain(model) -> dict:
-    return run(model)
+def deepseek() -> str:
+    from ascend_plugin.tiny_drafts import ensure_deepseek_mtp_model
+
+    return str(ensure_deepseek_mtp_model(std=0.005, carry_embedding=True))
+
+
+@pytest.fixture(scope="module")
+def plain(model, deepseek):
+    done: dict = {}
+
+    def get(method: str = "ngram") -> dict:
+        target = deepseek if method == "mtp" else model
+        if target not in done:
+            done[target] = run(target)
+        return done[target]
+
+    return get
 
 
 def speculation(model: str, method: str) -> dict:
     from ascend_plugin.demo_model import demo_medusa_dir
-    from ascend_plugin.tiny_drafts import ensure_eagle_draft
+    from ascend_plugin.tiny_drafts import ensure_eagle3_draft, ensure_eagle_draft
 
+    if method == "mtp":  # drafts with the target's own MTP layer: no "model"
+        return {"method": "mtp", "num_speculative_tokens": K}
+    if method == "eagle3":
+        return {"method": "eagle3", "num_speculative_tokens": K,
+                "model": str(ensure_eagle3_draft(model, draft_vocab_size=1024))}
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 4}
@@ -76,24 +97,26 @@ def speculation(model: str, method: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def dynamic(model):
+def dynamic(model, deepseek):
     done: dict = {}
 
     def get(method: str) -> dict:
         if method not in done:
-            done[method] = run(model, speculative_config=speculation(model, method),
+            target = deepseek if method == "mtp" else model
+            done[method] = run(target, speculative_config=speculation(target, method),
                                additional_config=DYNAMIC)
         return done[method]
 
     return get
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "medusa", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "medusa", "eagle", "eagle3", "mtp"])
 def test_greedy_tokens_equal_no_speculation_at_batch_1_8_and_64(plain, dynamic, method):
     result = dynamic(method)
     assert result["scheduler"] == "AscendDraftLengthScheduler"
+    expected = plain(method)
     for batch in BATCHES:
-        assert result["token_ids"][str(batch)] == plain["token_ids"][str(batch)], batch
+        assert result["token_ids"][str(batch)] == expected["token_ids"][str(batch)], batch
     chosen = {int(k): n for k, n in result["chosen"].items()}
     print(f"\n{method}: lengths chosen {chosen}, per-position acceptance "
           f"{[round(r, 2) for r in result['position_rates']]}, steps (requests x length) "
@@ -128,11 +151,11 @@ def test_pinned_length_and_the_switch_off(model, plain):
                      "dynamic": True, "min_num_speculative_tokens": 2,
                      "max_num_speculative_tokens": 2}})
     assert pinned["chosen"] == {"2": sum(pinned["chosen"].values())}
-    assert pinned["token_ids"] == plain["token_ids"]
+    assert pinned["token_ids"] == plain()["token_ids"]
     # Off by default: vLLM's own scheduler, every step at num_speculative_tokens.
     off = run(model, speculative_config=speculation(model, "medusa"))
     assert off["scheduler"] == "Scheduler" and "chosen" not in off
-    assert off["token_ids"] == plain["token_ids"]
+    assert off["token_ids"] == plain()["token_ids"]
 
 
 def test_a_bound_above_the_configured_length_stops_the_start(model):

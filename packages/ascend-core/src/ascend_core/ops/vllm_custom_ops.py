@@ -2,11 +2,15 @@
 
 vLLM instantiates an out-of-tree class in place of its own layer when one is
 registered under the layer's class name (``CustomOp.register_oot``). The same
-classes serve both targets: ``forward_oot`` runs on the npu platform,
-``forward_cpu`` on the host platform (which stays a CPU platform for vLLM), and
-the kernels' dispatcher picks the backend from the tensor's device. Where vLLM has a
-C++ CPU kernel that beats ascend-kernels' reference (rotary embedding), the host
-platform keeps vLLM's.
+classes serve both targets. ``forward_oot`` runs on the npu platform, on
+ascend-kernels (the kernels' dispatcher picks the backend from the tensor's
+device). The host platform stays a CPU platform for vLLM, which calls
+``forward_cpu``: there the classes keep vLLM's own CPU implementations, because
+ascend-kernels has no CPU kernel but its reference, and the host stack must not
+be slower than stock vLLM (its reference rotary embedding took 86 us a call
+against vLLM's C++ kernel's 7 us on the demo model's shapes; the norm and the
+activation add a few microseconds of checks a call). ascend-kernels' CPU path
+is what ``forward_oot`` runs on CPU tensors, as the unit tests call it.
 """
 
 from __future__ import annotations
@@ -46,8 +50,6 @@ class AscendRMSNorm(RMSNorm):
             return ascend_kernels.rms_norm(x, self.weight.data, self.variance_epsilon)
         return ascend_kernels.add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)
 
-    forward_cpu = forward_oot
-
 
 class AscendRotaryEmbedding(RotaryEmbedding):
     def __init__(self, *args, **kwargs):
@@ -67,19 +69,12 @@ class AscendRotaryEmbedding(RotaryEmbedding):
             positions, query, key, cos_sin_cache, self.head_size, self.is_neox_style,
             inplace=True, ub_size_kb=self.ub_size_kb)
 
-    # The host target (a CPU platform to vLLM) keeps vLLM's forward_cpu, its C++ kernel:
-    # ascend-kernels' only CPU backend is the reference, about ten times slower a call for
-    # a small model's shapes (86 us against 7 us for the demo model's), which made the host
-    # stack slower than stock vLLM.
-
 
 class AscendSiluAndMul(SiluAndMul):
     def forward_oot(self, x: torch.Tensor) -> torch.Tensor:
         if _traced_on_npu(x):
             return traced_ops.silu_and_mul(x)
         return ascend_kernels.silu_and_mul(x)
-
-    forward_cpu = forward_oot
 
 
 def register() -> None:
