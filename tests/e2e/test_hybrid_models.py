@@ -3,9 +3,8 @@ attention layers between full-attention ones, MoE MLPs; random weights, made at 
 through the plugin against stock vLLM, both on vLLM's CPU GDN path in bfloat16 (that path
 takes bfloat16 only, and linear-attention heads of 128).
 
-The plugin's own layers in it (rotary embedding, the MoE experts) compute in another order
-than stock's, so bfloat16 rounds a near-tie apart now and then: compared up to near-ties,
-each checked in both runs' logprobs (``assert_equal_up_to_near_ties``).
+Compared up to near-ties, each checked in both runs' logprobs
+(``assert_equal_up_to_near_ties``): in bfloat16 a near-tie may round apart between two runs.
 """
 
 from __future__ import annotations
