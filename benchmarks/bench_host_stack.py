@@ -111,6 +111,10 @@ def main() -> None:
             "ratios": ratios, "ratio_median": statistics.median(ratios),
             "tokens_equal": all(run[STOCK][batch]["token_ids"] == run[PLUGIN][batch]["token_ids"]
                                 for run in summary["runs"])}
+    for run in summary["runs"]:  # compared above; the tokens themselves are not kept
+        for stack in run.values():
+            for batch in stack.values():
+                batch.pop("token_ids", None)
     summary["load_average_end"] = load_average()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "host_stack.json").write_text(json.dumps(summary, indent=2) + "\n")
