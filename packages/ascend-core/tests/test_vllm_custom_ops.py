@@ -99,7 +99,6 @@ def test_the_host_target_keeps_vllms_cpu_implementations(vllm_context):
     assert AscendRMSNorm.forward_cpu is RMSNorm.forward_cpu
     assert AscendSiluAndMul.forward_cpu is SiluAndMul.forward_cpu
     rope = AscendRotaryEmbedding(64, 64, 256, 10000.0, True, torch.float32)
-    assert rope.forward_cpu.__func__ is RotaryEmbedding.forward_cpu
     positions = torch.randint(0, 256, (7,))
     query, key = torch.randn(7, 4 * 64), torch.randn(7, 2 * 64)
     ours_q, ours_k = rope.forward_oot(positions, query.clone(), key.clone())
@@ -114,3 +113,29 @@ def test_rope_launch_size_comes_from_the_environment(vllm_context, monkeypatch):
     monkeypatch.setenv("VLLM_ASCEND_ROPE_UB_SIZE_KB", "96")
     rope = AscendRotaryEmbedding(64, 64, 128, 10000.0, True, torch.float32)
     assert rope.ub_size_kb == 96
+
+
+@pytest.mark.parametrize("is_neox_style", [True, False])
+def test_host_rotary_embedding_of_head_views_is_right(vllm_context, monkeypatch,
+                                                       is_neox_style):
+    """MLA rotates q_pe as a [tokens, heads, head_size] view of q: vLLM 0.32's C++ CPU kernel
+    rotates one head per token there (checked below, so a fixed vLLM shows up), ours every
+    head; 2-D inputs keep vLLM's kernel."""
+    rope = AscendRotaryEmbedding(32, 32, 256, 10000.0, is_neox_style, torch.float32)
+    positions = torch.randint(0, 256, (5,))
+    q = torch.randn(5, 4, 96)  # 64 "nope" dims, then the 32 rotated ones, per head
+    k_pe = torch.randn(5, 1, 32)
+    expected_q, expected_k = rope.forward_native(positions, q[..., 64:].clone(), k_pe.clone())
+    stock_q = q.clone()
+    RotaryEmbedding.forward_cpu(rope, positions, stock_q[..., 64:], k_pe.clone())
+    assert not torch.allclose(stock_q[..., 64:], expected_q, atol=1e-3)
+    ours_q, ours_k = q.clone(), k_pe.clone()
+    rope.forward_cpu(positions, ours_q[..., 64:], ours_k)
+    torch.testing.assert_close(ours_q[..., 64:], expected_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_k, expected_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ours_q[..., :64], q[..., :64])
+    calls = []
+    monkeypatch.setattr(RotaryEmbedding, "forward_cpu",
+                        lambda self, *args: calls.append(len(args)) or args[1:])
+    rope.forward_cpu(positions, torch.randn(5, 128), torch.randn(5, 32))
+    assert calls == [3]

@@ -5,7 +5,8 @@ registered under the layer's class name (``CustomOp.register_oot``). The same
 classes serve both targets. ``forward_oot`` runs on the npu platform, on
 ascend-kernels (the kernels' dispatcher picks the backend from the tensor's
 device). The host platform stays a CPU platform for vLLM, which calls
-``forward_cpu``: there the classes keep vLLM's own CPU implementations, because
+``forward_cpu``: there the classes keep vLLM's own CPU implementations (but for
+a layout vLLM's rotary kernel gets wrong, see ``AscendRotaryEmbedding``), because
 ascend-kernels has no CPU kernel but its reference, and the host stack must not
 be slower than stock vLLM (its reference rotary embedding took 86 us a call
 against vLLM's C++ kernel's 7 us on the demo model's shapes; the norm and the
@@ -68,6 +69,16 @@ class AscendRotaryEmbedding(RotaryEmbedding):
         return ascend_kernels.rotary_embedding(
             positions, query, key, cos_sin_cache, self.head_size, self.is_neox_style,
             inplace=True, ub_size_kb=self.ub_size_kb)
+
+    def forward_cpu(self, positions: torch.Tensor, query: torch.Tensor,
+                    key: torch.Tensor | None = None):
+        # vLLM's C++ CPU kernel reads query and key as [tokens, heads * head_size] (any row
+        # stride): it rotates a 3-D [tokens, heads, head_size] view, as MLA passes its q_pe,
+        # wrongly (vLLM 0.32: one head per token, the others left as they were). Those go
+        # through ascend-kernels, right for every layout.
+        if query.dim() == 2 and (key is None or key.dim() == 2):
+            return super().forward_cpu(positions, query, key)
+        return self.forward_oot(positions, query, key)
 
 
 class AscendSiluAndMul(SiluAndMul):
