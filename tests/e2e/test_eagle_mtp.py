@@ -16,9 +16,9 @@ batch 1 (``max_num_seqs=1``), and the mean acceptance length is recorded from vL
 counters. Engines are shared through module-scoped fixtures (each start costs 30-60 s).
 
 These random targets are nearly uniform at some positions, and there two tokens can tie
-exactly in float32 (seen: two logprobs of -7.4475212 in the MTP target, batch 1 on one
-core); a batch of k + 1 tokens rounds apart from a batch of one (vLLM's CPU matmuls and
-attention), so such a tie may break the other way. Outputs are equal, or equal up to a
+exactly in float32 (seen in development: two logprobs of -7.4475212 in the MTP target,
+batch 1 on one core); a batch of k + 1 tokens rounds apart from a batch of one (vLLM's
+CPU matmuls and attention), so such a tie may break the other way. Outputs are equal, or equal up to a
 position where the run without speculation has the two tokens within ``FLOAT32_TIE``.
 """
 
