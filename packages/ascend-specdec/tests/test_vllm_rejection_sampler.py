@@ -530,3 +530,15 @@ def test_random_batch_needs_temperatures():
         rejection_sample(torch.zeros(1, dtype=torch.int32), [1], torch.tensor([1]), 1, None,
                          torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.int64),
                          temperature=None, all_greedy=False, all_random=True)
+
+
+def test_rows_in_place_only_where_they_are_served():
+    args = (torch.zeros(2, dtype=torch.int32), [1, 1], torch.tensor([1, 2]), 1, None,
+            torch.zeros(4, 8), torch.zeros(2, 1, dtype=torch.int64))
+    rows = torch.tensor([0, 2])
+    with pytest.raises(ValueError, match="all greedy or all random; copy the draft rows"):
+        rejection_sample(*args, temperature=torch.tensor([0.0, 0.7]), all_greedy=False,
+                         all_random=False, target_rows=rows)
+    with pytest.raises(ValueError, match=r"verified from the logits \(from_logits\) only"):
+        rejection_sample(*args, temperature=torch.tensor([0.5, 0.7]), all_greedy=False,
+                         all_random=True, target_rows=rows, from_logits=False)

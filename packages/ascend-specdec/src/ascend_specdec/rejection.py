@@ -111,6 +111,9 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     if not all_greedy and temperature is None:
         raise ValueError("rejection_sample: temperature is None but not every request is "
                          "greedy; pass the per-request temperatures (0 for greedy ones)")
+    if target_rows is not None and not (all_greedy or all_random):
+        raise ValueError("rejection_sample: target_rows serves a batch that is all greedy or "
+                         "all random; copy the draft rows of a mixed batch first")
     device = target_logits.device
     batch = len(num_draft_tokens)
     out = torch.full((batch, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32,
@@ -119,9 +122,6 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[i
     uniform_probs = None
     if not all_greedy:
         uniform_probs = generate_uniform_probs(num_draft_tokens, generators, device)
-    if target_rows is not None and not (all_greedy or all_random):
-        raise ValueError("rejection_sample: target_rows serves a batch that is all greedy or "
-                         "all random; copy the draft rows of a mixed batch first")
     if not all_random:
         target_argmax = row_argmax(target_logits)
         if target_rows is not None:
