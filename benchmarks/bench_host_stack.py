@@ -38,9 +38,9 @@ def markdown(summary: dict) -> str:
              "files. Each stack runs in its own process; the two run in pairs back to back "
              f"({summary['pairs']} pairs, alternating which goes first), and each pair gives "
              "the ratio plugin / stock. The host's custom-op classes (RMSNorm, rotary "
-             "embedding, SiluAndMul) run vLLM's own CPU code; before they ran ascend-kernels' "
-             "reference (the rotary embedding 86 us a call against vLLM's C++ kernel's 7 us), "
-             "which read 0.93x stock at batch 1 (`specdec_decode.md`).", "",
+             "embedding but for 3-D inputs, SiluAndMul) run vLLM's own CPU code; before they "
+             "ran ascend-kernels' reference, which read 0.93x stock at batch 1 "
+             "(`specdec_decode.md`).", "",
              "| batch | stock tok/s (median) | plugin tok/s (median) | plugin / stock, median "
              "of pairs | range over pairs | greedy tokens equal |",
              "|---|---|---|---|---|---|"]

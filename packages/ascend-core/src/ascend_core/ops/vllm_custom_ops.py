@@ -8,10 +8,10 @@ device). The host platform stays a CPU platform for vLLM, which calls
 ``forward_cpu``: there the classes keep vLLM's own CPU implementations (but for
 a layout vLLM's rotary kernel gets wrong, see ``AscendRotaryEmbedding``), because
 ascend-kernels has no CPU kernel but its reference, and the host stack must not
-be slower than stock vLLM (its reference rotary embedding took 86 us a call
-against vLLM's C++ kernel's 7 us on the demo model's shapes; the norm and the
-activation add a few microseconds of checks a call). ascend-kernels' CPU path
-is what ``forward_oot`` runs on CPU tensors, as the unit tests call it.
+be slower than stock vLLM (the reference rotary embedding, many small torch ops
+against vLLM's one C++ kernel, made it so: ``benchmarks/results/host_stack.md``).
+ascend-kernels' CPU path is what ``forward_oot`` runs on CPU tensors, as the unit
+tests call it.
 """
 
 from __future__ import annotations
