@@ -36,7 +36,8 @@ Modelled: ``torch.npu`` device selection, properties, memory statistics, streams
 seeding and graphs (``NPUGraph``, ``graph``; capture records, replay re-runs; task groups
 and their updates, ``ExternalEvent``);
 ``torch_npu.npu_rms_norm`` and ``torch_npu.npu_swiglu``; the norm, quant and
-rotary ops of ``_ops_norm_quant``, the routing ops of ``_ops_routing`` and the weight
+rotary ops of ``_ops_norm_quant``, the routing ops of ``_ops_routing``, the MC2 token
+exchange of ``_ops_moe_distribute`` (``npu_moe_distribute_dispatch_v2`` / ``_combine_v2``) and the weight
 quantization and grouped-matmul ops of ``_ops_quant``; the paged KV-cache write and fused
 inference attention of ``_ops_attention`` (with the attention's ``.out`` form and its
 graph workspace); storage formats (``npu_format_cast``, ``get_npu_format``, ``Format``:
@@ -53,6 +54,7 @@ from torch_npu import (  # noqa: F401 - _reference: test controls
            _formats,
            _ops,
            _ops_attention,
+           _ops_moe_distribute,
            _ops_norm_quant,
            _ops_quant,
            _ops_routing,
@@ -116,6 +118,8 @@ get_npu_format = _formats.get_npu_format
 npu_moe_gating_top_k = _on_device(_ops_routing.npu_moe_gating_top_k)
 npu_moe_gating_top_k_softmax = _on_device(_ops_routing.npu_moe_gating_top_k_softmax)
 npu_top_k_top_p = _on_device(_ops_routing.npu_top_k_top_p)
+npu_moe_distribute_dispatch_v2 = _on_device(_ops_moe_distribute.npu_moe_distribute_dispatch_v2)
+npu_moe_distribute_combine_v2 = _on_device(_ops_moe_distribute.npu_moe_distribute_combine_v2)
 
 __version__ = "2.13.0+reference"
 
@@ -125,7 +129,8 @@ __all__ = ["Format", "get_npu_format", "npu_format_cast", "npu", "npu_fusion_att
            "npu_rms_norm", "npu_swiglu",
            "npu_add_rms_norm", "npu_add_rms_norm_dynamic_quant", "npu_add_rms_norm_quant",
            "npu_apply_rotary_pos_emb", "npu_dynamic_quant", "npu_quant_matmul", "npu_rotary_mul",
-           "npu_moe_gating_top_k", "npu_moe_gating_top_k_softmax", "npu_top_k_top_p",
+           "npu_moe_gating_top_k", "npu_moe_gating_top_k_softmax",
+           "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2", "npu_top_k_top_p",
            "npu_convert_weight_to_int4pack", "npu_grouped_matmul", "npu_quantize",
            "npu_trans_quant_param",
            "npu_weight_quant_batchmatmul", "npu_fused_infer_attention_score",

@@ -55,8 +55,22 @@ def _enable_npu_device() -> None:
         torch.utils.generate_methods_for_privateuse1_backend(for_packed_sequence=False)
 
 
+_HCCL_BACKENDS: dict[str, object] = {}
+
+
 def _hccl_over_gloo(store, rank, size, timeout):
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    backend = _ProcessGroupHCCL(store, rank, size, timeout)
+    # Kept alive here: the name must keep finding this object (and c10d hands back this
+    # Python object, with its method, only while it lives).
+    _HCCL_BACKENDS[backend.name] = backend
+    return backend
+
+
+def hccl_backend_named(name: str):
+    """The reference ``hccl`` backend whose ``get_hccl_comm_name`` is ``name`` (None if no
+    group of this process has that name): what torch_npu's MC2 ops reach through their
+    ``group_ep`` string."""
+    return _HCCL_BACKENDS.get(name)
 
 
 # torch's c10d ops whose PrivateUse1 kernels would hand npu tensors to the backend's
@@ -96,6 +110,28 @@ def _route_npu_collectives_through_gloo() -> None:
                 library.impl(name, functools.partial(_collective_on_host_views,
                                                      packet.default), "PrivateUse1")
     _collectives_library = library
+
+
+def _hccl_backend_class():
+    class ProcessGroupHCCL(dist.ProcessGroupGloo):
+        """gloo, plus the communicator name torch_npu's ``ProcessGroupHCCL`` gives
+        (``get_hccl_comm_name(rank)``), which the MC2 ops take as ``group_ep``."""
+
+        _made = 0
+
+        def __init__(self, store, rank, size, timeout):
+            super().__init__(store, rank, size, timeout)
+            ProcessGroupHCCL._made += 1
+            self.name = f"reference_hccl_{ProcessGroupHCCL._made}"
+
+        def get_hccl_comm_name(self, rank: int) -> str:
+            # torch_npu names the communicator; callers pass their own rank.
+            return self.name
+
+    return ProcessGroupHCCL
+
+
+_ProcessGroupHCCL = _hccl_backend_class() if dist.is_available() else None
 
 
 def _register_hccl() -> None:
