@@ -30,10 +30,12 @@ else:
 from ascend_core.distributed.moe_comm import (  # noqa: E402
     ALL_GATHER,
     ALL_TO_ALL,
+    MC2,
     AllGatherMoEComm,
     AllToAllMoEComm,
     ExpertPlacement,
     MoECommunication,
+    TokenGroup,
 )
 
 HIDDEN = 16
@@ -199,11 +201,11 @@ def replicated_check(group) -> dict:
                                          dispatched)
             check_close(out, expected, f"replicated {name} {dispatched.method}", 1e-5)
             assert moe.counts == {dispatched.method: 1, ({ALL_GATHER, ALL_TO_ALL} - {
-                dispatched.method}).pop(): 0}, moe.counts
+                dispatched.method}).pop(): 0, MC2: 0}, moe.counts
             try:
                 moe.combine(out[:0], dispatched)
             except ValueError as error:
-                assert "combine_replicated" in str(error), error
+                assert "combine_shared" in str(error), error
             else:
                 raise AssertionError("combine took rows of dispatch_replicated")
             chosen.append(dispatched.method)
@@ -229,6 +231,122 @@ def replicated_check(group) -> dict:
         out = moe.combine_replicated(rows, dispatched)
         assert out.dtype == torch.bfloat16
         check_close(out, expected.double(), f"replicated moe_experts {dispatched.method}", 3e-2)
+    return facts
+
+
+def token_groups(size: int) -> TokenGroup:
+    """Consecutive ranks in groups of ``size`` (DP ranks of ``size`` TP ranks): this rank's,
+    every rank making every group's process group, as torch.distributed asks."""
+    mine = None
+    for first in range(0, WORLD, size):
+        ranks = list(range(first, first + size))
+        group = dist.new_group(ranks) if size > 1 else None
+        if RANK in ranks:
+            mine = TokenGroup(group, RANK - first, size)
+    return mine
+
+
+def shared_check(group) -> dict:
+    """Data parallel x tensor parallel: ranks in token groups (one batch per group, held
+    alike by its ranks, batches of different sizes), each rank dispatching its share of its
+    group's batch by all-gather or all-to-all, every rank getting its group's whole batch
+    back, against the single-process reference of every group's batch."""
+    facts = {}
+    for size in sorted({1, 2, WORLD}):
+        if WORLD % size:
+            continue
+        token_group = token_groups(size)
+        batches = [7, 3, 0, 5][: WORLD // size] if size < WORLD else [9]
+        num_experts, top_k = 2 * WORLD, 2 if WORLD > 2 else 1
+        experts = ToyExperts(num_experts, seed=50 + size)
+        placement = ExpertPlacement.linear(num_experts, WORLD)
+        x_all, w_all, ids_all = make_batch(batches, num_experts, top_k, seed=60 + size)
+        block = RANK // size
+        start = sum(batches[:block])
+        mine = slice(start, start + batches[block])
+        expected = experts.reference(x_all, w_all, ids_all)[mine]
+        chosen = []
+        for threshold in (0, 10**6):
+            moe = MoECommunication(group, placement, all2all_min_tokens=threshold)
+            with torch.no_grad():  # (the toy experts are parameters; models run without grad)
+                dispatched = moe.dispatch_shared(
+                    x_all[mine].to(DEVICE), w_all[mine].to(DEVICE), ids_all[mine].to(DEVICE),
+                    token_group=token_group, tokens_per_group=batches)
+                out = moe.combine_shared(experts.run_local(dispatched, placement, RANK),
+                                         dispatched)
+            check_close(out, expected, f"shared size {size} {dispatched.method}", 1e-5)
+            chosen.append(dispatched.method)
+        try:
+            moe.dispatch_shared(x_all[mine].to(DEVICE), w_all[mine].to(DEVICE),
+                                ids_all[mine].to(DEVICE), token_group=token_group,
+                                tokens_per_group=[b + 1 for b in batches])
+        except ValueError as error:
+            assert "one batch size per group" in str(error), error
+        else:
+            raise AssertionError("dispatch_shared took batch sizes that are not this group's")
+        facts[f"groups_of_{size}"] = {"chosen": chosen, "batches": batches}
+    return facts
+
+
+def mc2_check(group) -> dict:
+    """torch_npu's MC2 path (the reference's ``npu_moe_distribute_dispatch_v2`` /
+    ``_combine_v2``) through the NPU communicator's ``moe_communication``: hidden size 1024,
+    bfloat16, ascend-kernels' ``moe_experts`` on the dispatched rows (padding rows included),
+    for token groups of one rank (data parallel) and of every rank (tensor parallel), against
+    ``moe_experts`` of each batch on one process; and the MoE path refusing a graph capture
+    MC2 cannot serve."""
+    import ascend_kernels
+    from ascend_core.distributed.npu_communicator import NPUCommunicator
+
+    hidden, inter, num_experts = 1024, 32, 4 * WORLD
+    communicator = NPUCommunicator(dist.new_group(backend="gloo"), device=DEVICE,
+                                   device_group=group, unique_name="ep:mc2")
+    generator = torch.Generator().manual_seed(17)
+    w13 = (torch.randn(num_experts, hidden, 2 * inter, generator=generator) / 32).bfloat16()
+    w2 = (torch.randn(num_experts, inter, hidden, generator=generator) / 8).bfloat16()
+    placement = ExpertPlacement.linear(num_experts, WORLD)
+    mine_w = (placement.owner == RANK).nonzero().reshape(-1)
+    local_w13, local_w2 = w13[mine_w].to(DEVICE), w2[mine_w].to(DEVICE)
+    moe = communicator.moe_communication(placement)
+    assert moe.mc2 is not None and moe.mc2.comm_name == communicator.mc2_comm_name()
+    facts = {"comm_name": moe.mc2.comm_name}
+    for size, batches in ((1, [5, 2][:WORLD]), (WORLD, [6])):
+        token_group = token_groups(size) if size > 1 else TokenGroup(None, 0, 1)
+        generator = torch.Generator().manual_seed(size)
+        total = sum(batches)
+        x_all = torch.randn(total, hidden, generator=generator).bfloat16()
+        ids_all = torch.stack([torch.randperm(num_experts, generator=generator)[:2]
+                               for _ in range(total)])
+        w_all = torch.softmax(torch.randn(total, 2, generator=generator), dim=1)
+        block = RANK // size
+        start = sum(batches[:block])
+        mine = slice(start, start + batches[block])
+        expected = ascend_kernels.moe_experts(x_all[mine], w13, w2, w_all[mine], ids_all[mine])
+        dispatched = moe.dispatch_shared(x_all[mine].to(DEVICE), w_all[mine].to(DEVICE),
+                                         ids_all[mine].to(DEVICE), token_group=token_group,
+                                         tokens_per_group=batches)
+        assert dispatched.method == MC2, dispatched.method
+        unit = torch.ones(dispatched.hidden_states.shape[0], 1, device=DEVICE)
+        rows = ascend_kernels.moe_experts(dispatched.hidden_states, local_w13, local_w2, unit,
+                                          dispatched.local_expert_ids.unsqueeze(1))
+        out = moe.combine_shared(rows, dispatched)
+        assert out.dtype == torch.bfloat16 and out.shape == (batches[block], hidden)
+        check_close(out, expected.double(), f"mc2 groups of {size}", 3e-2)
+        facts[f"groups_of_{size}"] = {"rows": int(dispatched.hidden_states.shape[0]),
+                                      "valid": int(dispatched.tokens_per_expert.sum())}
+    facts["counts"] = dict(moe.counts)
+    # A layer MC2 cannot serve (hidden 16): eager batches take the other paths, a capture fails.
+    small = communicator.moe_communication(ExpertPlacement.linear(2 * WORLD, WORLD))
+    facts["small_why_not"] = small.mc2_why_not(HIDDEN, torch.bfloat16, 1)
+    x = torch.ones(3, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
+    assert small.select(3, 1, x) == ALL_GATHER
+    graph = torch.npu.NPUGraph()
+    try:
+        with torch.npu.graph(graph):
+            small.select(3, 1, x)
+    except RuntimeError as error:
+        facts["capture_error"] = str(error)
+    communicator.destroy()
     return facts
 
 
@@ -274,6 +392,7 @@ def moe_suite(group) -> dict:
         check_close(out, expected, f"{name} bf16", 0.1)
         facts[name] = {"rows": rows[ALL_TO_ALL], "chosen": chosen, "tokens": counts[RANK]}
     facts["replicated"] = replicated_check(group)
+    facts["shared"] = shared_check(group)
     # Both ranks given a bad expert id fail before any collective, with the id in the message.
     placement = ExpertPlacement.linear(4, WORLD)
     bad = torch.tensor([[0, 4]], device=DEVICE)
@@ -350,6 +469,8 @@ def communicator_suite() -> dict:
         methods.append(dispatched.method)
         comm._moe_comms.clear()
     facts["moe"] = methods
+    if BACKEND == "hccl":
+        facts["mc2"] = mc2_check(dist.group.WORLD)
     for call, needle in (
         (lambda: comm.reduce_scatter(torch.ones(WORLD + 1, 2, device=DEVICE), dim=0),
          "not divisible"),

@@ -24,6 +24,7 @@ from ascend_core import envs
 from ascend_core.distributed.moe_comm import (
     ALL_GATHER,
     ALL_TO_ALL,
+    MC2,
     DEFAULT_ALL2ALL_MIN_TOKENS,
     AllGatherMoEComm,
     AllToAllMoEComm,
@@ -72,6 +73,13 @@ def reference_built():
 
 def check_moe_facts(facts: list[dict], world: int, device: str) -> None:
     assert [f["rank"] for f in facts] == list(range(world))
+    # Token groups (data parallel x tensor parallel): each size's batches through both paths
+    # (the threshold 0 gives all-to-all where top_k < ranks), every rank agreeing.
+    for size in sorted({1, 2, world}):
+        shared = [f["shared"][f"groups_of_{size}"] for f in facts]
+        top_k = 2 if world > 2 else 1
+        expected = ALL_TO_ALL if top_k < world else ALL_GATHER
+        assert {tuple(s["chosen"]) for s in shared} == {(expected, ALL_GATHER)}, size
     assert {f["device"] for f in facts} == {device}
     assert all(f["moe_experts"] == ["ok", "ok"] for f in facts)
     if world == 2:
@@ -129,10 +137,23 @@ def test_npu_communicator_collectives_over_reference_hccl_on_npu_tensors(
     # Also vLLM's data-parallel MoE dispatch/combine, on the npu platform, whose ep group's
     # communicator is ours with vLLM's all-gather/reduce-scatter manager.
     facts = run_ranks("communicator", "hccl", 2, tmp_path)
-    for rank, fact in enumerate(facts):
+    mc2_facts = [fact.pop("mc2") for fact in facts]
+    for rank, (fact, mc2) in enumerate(zip(facts, mc2_facts, strict=True)):
         assert fact == {"rank": rank, "device": "npu", "collectives": "ok",
                         "moe": [ALL_TO_ALL, ALL_GATHER], "ep_communicator": "NPUCommunicator",
                         "all2all_manager": "AgRsAll2AllManager"}
+        # MC2 over a communicator of its own; every batch of the 1024-wide layer took it
+        # (5 and 2 tokens on the DP ranks: both padded to 5, 5 x 2 ranks x min(4, 2) rows;
+        # 6 tokens on both TP ranks: shares of 3, 3 x 2 x 2 rows).
+        assert mc2["comm_name"].startswith("reference_hccl_")
+        assert mc2["counts"] == {MC2: 2, ALL_GATHER: 0, ALL_TO_ALL: 0}
+        assert mc2["groups_of_1"]["rows"] == 20 and mc2["groups_of_2"]["rows"] == 12
+        assert mc2["small_why_not"] == "hidden size 16 is outside [1024, 7168]"
+        assert "only through MC2" in mc2["capture_error"] and "hidden size 16" in mc2[
+            "capture_error"]
+    # Each (token, choice) pair computed on exactly one rank.
+    assert sum(mc2["groups_of_1"]["valid"] for mc2 in mc2_facts) == (5 + 2) * 2
+    assert sum(mc2["groups_of_2"]["valid"] for mc2 in mc2_facts) == 6 * 2
 
 
 # --- the selection rule -----------------------------------------------------------------------
@@ -280,7 +301,8 @@ def test_expert_output_must_have_one_row_per_dispatched_row(method):
 def test_placement_for_another_group_size_and_unknown_method_are_refused():
     with pytest.raises(ValueError, match="placement is for ep_size=2, but the group has 1"):
         AllToAllMoEComm(None, ExpertPlacement.linear(4, 2))
-    with pytest.raises(ValueError, match="Unknown MoE communication method 'mc2'.*allgather"):
+    with pytest.raises(ValueError, match="Unknown MoE communication method 'mc2'.*allgather "
+                                         "or alltoall.*mc2_comm_name"):
         make_moe_comm("mc2", None, ExpertPlacement.linear(4, 1))
 
 

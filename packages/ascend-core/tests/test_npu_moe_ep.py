@@ -79,16 +79,30 @@ def _config(use_ep=True, ep_size=2, dp_size=1, pcp_size=1, sp=False, skip=False)
     (_config(), True),
     (_config(use_ep=False, ep_size=1), False),
     (_config(ep_size=1), False),
-    # Data parallel: vLLM's own dispatch (AgRsAll2AllManager in NPUCommunicator) moves tokens.
-    (_config(dp_size=2), False),
+    # Data parallel in front: the kernel takes each DP rank's own tokens.
+    (_config(dp_size=2), True),
+    # Without expert parallelism vLLM gathers every DP rank's tokens (its naive dispatch).
+    (_config(use_ep=False, ep_size=1, dp_size=2), False),
     (_config(pcp_size=2), False),
     (_config(sp=True), False),
     # The model all-reduces the MoE output itself; an already summed output would be summed
     # again.
     (_config(skip=True), False),
 ])
-def test_expert_parallel_without_data_parallel_takes_the_per_batch_kernel(config, expected):
+def test_expert_parallel_takes_the_per_batch_kernel(config, expected):
     assert uses_moe_comm(config) is expected
+
+
+@pytest.mark.parametrize(("config", "what"), [
+    (_config(dp_size=2, pcp_size=2), r"prefill context parallel \(2\)"),
+    (_config(dp_size=4, sp=True), r"sequence-parallel MoE \(--enable-sequence-parallel-moe\)"),
+])
+def test_a_data_parallel_layout_the_moe_path_does_not_serve_is_refused(config, what):
+    dp = config.moe_parallel_config.dp_size
+    with pytest.raises(ValueError, match=rf"npu target: data parallel {dp} with {what} is not "
+                                         rf"served by the npu MoE path.*--enable-expert-parallel"
+                                         rf".*; drop "):
+        uses_moe_comm(config)
 
 
 # --- the kernel through vLLM's FusedMoEKernel ------------------------------------------------------
@@ -138,7 +152,7 @@ def test_kernel_equals_the_one_npu_path_and_counts_its_batches(reference_npu, to
     assert out.device.type == "npu" and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float().cpu(), expected.float().cpu(), atol=3e-2, rtol=3e-2)
     # One rank: every batch is all-gather (nothing to move), counted by its token count.
-    assert prepare_finalize.batches == {ALL_GATHER: {tokens: 1}, "alltoall": {}}
+    assert prepare_finalize.batches == {ALL_GATHER: {tokens: 1}, "alltoall": {}, "mc2": {}}
     assert prepare_finalize.pending is None
 
 

@@ -140,6 +140,7 @@ def npu_method(ep_size: int = 1, dp_size: int = 1) -> AscendUnquantizedFusedMoEM
     method = object.__new__(AscendUnquantizedFusedMoEMethod)
     method.unquantized_backend = UnquantizedMoeBackend.OOT
     method.moe_kernel = None
+    method.full_graphs = False
     parallel = SimpleNamespace(use_ep=ep_size > 1, ep_size=ep_size, dp_size=dp_size,
                                pcp_size=1)
     method.moe = SimpleNamespace(moe_parallel_config=parallel)
@@ -193,7 +194,7 @@ def test_the_hook_refuses_what_it_cannot_serve(reference_npu):
                                         ExpertSlots(10, 2, lambda ids: ids))
     # Expert parallel without the per-batch kernel (data parallel): not served.
     with pytest.raises(NotImplementedError, match="over 2 expert-parallel ranks need the "
-                                                  "per-batch MoE communication.*dp_size=2"):
+                                                  "per-batch MoE communication, which this layer does not run.*dp_size=2"):
         npu_method(ep_size=2, dp_size=2).serve_expert_slots(
             npu_layer(s13[:5], s2[:5]), ExpertSlots(10, 2, lambda ids: ids))
     assert npu_method().expert_slots is None

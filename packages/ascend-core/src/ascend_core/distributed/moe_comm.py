@@ -13,14 +13,22 @@ Two ways, chosen per batch by :func:`select_moe_comm`:
   routing weights. A rank receives about ``tokens * top_k * (ep_size - 1) / ep_size`` rows
   instead of ``tokens * (ep_size - 1)``, at the price of a count exchange and a host sync.
 
-Both return the same :class:`DispatchedTokens` (the rows this rank computes, grouped by
+- **MC2** (:class:`MC2MoEComm`, npu only): torch_npu's fused exchange,
+  ``npu_moe_distribute_dispatch_v2`` / ``npu_moe_distribute_combine_v2`` over a communicator
+  of its own, for the batches its documented limits admit (at most 512 tokens per rank,
+  hidden size 1024-7168, ...): fixed-shape outputs and no host sync, so it is also the one
+  path an NPU graph can capture.
+
+All return the same :class:`DispatchedTokens` (the rows this rank computes, grouped by
 local expert) and take the experts' outputs back through ``combine``, so an MoE layer can
-switch between them batch by batch. When every rank already holds the whole batch (vLLM's
-tensor parallel + expert parallel without data parallelism), ``dispatch_replicated`` /
-``combine_replicated`` of :class:`MoECommunication` make the same choice without a count
-exchange and hand every rank the whole batch's output. Pure torch over ``torch.distributed``:
-any backend with all-gather, reduce-scatter and all-to-all works (HCCL on an NPU, gloo on the
-CPU). No vLLM.
+switch between them batch by batch. Where ranks hold one batch alike (tensor parallel, with
+or without data parallel in front: a :class:`TokenGroup`), ``dispatch_shared`` /
+``combine_shared`` of :class:`MoECommunication` split the batch among them, dispatch the
+shares and gather the combined shares back, so every rank of the group ends with its whole
+batch; ``dispatch_replicated`` is the case of one batch on every rank (vLLM's tensor parallel
++ expert parallel without data parallelism). Pure torch over ``torch.distributed``: any
+backend with all-gather, reduce-scatter and all-to-all works (HCCL on an NPU, gloo on the
+CPU), and torch_npu for MC2. No vLLM.
 """
 
 from __future__ import annotations
@@ -33,7 +41,16 @@ import torch.distributed as dist
 
 ALL_GATHER = "allgather"
 ALL_TO_ALL = "alltoall"
-MOE_COMM_METHODS = (ALL_GATHER, ALL_TO_ALL)
+MC2 = "mc2"
+MOE_COMM_METHODS = (ALL_GATHER, ALL_TO_ALL, MC2)
+
+# What torch_npu's MC2 ops (the _v2 pair, Atlas A3) take, from their documentation pages:
+# tokens per rank, hidden size (combine's bound), top-k, experts, EP ranks (combine's bound).
+MC2_MAX_TOKENS_PER_RANK = 512
+MC2_HIDDEN_SIZES = (1024, 7168)
+MC2_MAX_TOP_K = 16
+MC2_MAX_EXPERTS = 1024
+MC2_EP_SIZES = (2, 384)
 
 # Below this many tokens on the busiest rank, a batch goes through all-gather. Not measured
 # on HCCL: small batches are bound by collective latency, where all-to-all's extra count
@@ -191,8 +208,21 @@ class DispatchedTokens:
     tokens_per_expert: torch.Tensor  # [num_local_experts] int64
     method: str
     handle: Any = field(repr=False, default=None)
-    # Set by MoECommunication.dispatch_replicated: every rank's share of the batch's tokens.
+    # Set by MoECommunication.dispatch_shared: the ranks holding this batch alike, and each
+    # one's share of its tokens.
     shares: list[int] | None = None
+    token_group: TokenGroup | None = field(repr=False, default=None)
+
+
+@dataclass(frozen=True)
+class TokenGroup:
+    """Ranks of the EP group that hold one batch alike: ``size`` consecutive EP ranks (the
+    tensor-parallel ranks of one data-parallel rank), this one ``rank`` among them; ``group``
+    their process group (None when ``size`` is 1)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
 
 
 class _MoECommBase:
@@ -442,6 +472,115 @@ class AllToAllMoEComm(_MoECommBase):
         return per_choice.sum(dim=1).to(expert_output.dtype)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether an NPU graph is capturing on ``device``'s stream now."""
+    if device.type != "npu":
+        return False
+    return bool(torch.npu.is_current_stream_capturing())
+
+
+class MC2MoEComm(_MoECommBase):
+    """torch_npu's MC2 dispatch / combine (``npu_moe_distribute_dispatch_v2`` /
+    ``_combine_v2``) over the communicator named ``comm_name``, which no other op may use.
+
+    The ops place ``num_experts / ep_size`` experts on each rank in order, so the placement
+    must be that one (vLLM's linear placement with an even split, or EPLB's slots). Every
+    rank passes the same ``batch_size`` (the most tokens any rank has): its tokens are padded
+    to it and the padding masked out (``x_active_mask``), so every shape is fixed by
+    ``batch_size`` alone. ``hidden_states`` of the result are all of the op's ``expand_x``
+    rows (``batch_size * ep_size * min(local experts, top_k)``); the rows past
+    ``tokens_per_expert.sum()`` are padding, given the last local expert so that an experts
+    kernel reading every row stays in range, and combine ignores them.
+    """
+
+    method = MC2
+
+    def __init__(self, group: dist.ProcessGroup | None, placement: ExpertPlacement,
+                 comm_name: str, *, validate: bool = True) -> None:
+        super().__init__(group, placement, validate=validate)
+        self.comm_name = comm_name
+        experts, ranks = placement.num_experts, self.world_size
+        self.local = experts // ranks
+        expected = ExpertPlacement.linear(experts, ranks) if experts % ranks == 0 else None
+        self.placement_fits = expected is not None and (
+            torch.equal(placement.owner.cpu(), expected.owner)
+            and torch.equal(placement.local_index.cpu(), expected.local_index))
+
+    def why_not(self, hidden_size: int, dtype: torch.dtype, top_k: int) -> str | None:
+        """Why the ops cannot serve a layer of this shape (None when they can)."""
+        import torch_npu
+
+        low, high = MC2_HIDDEN_SIZES
+        if not hasattr(torch_npu, "npu_moe_distribute_dispatch_v2"):
+            return "this torch_npu has no npu_moe_distribute_dispatch_v2"
+        if not MC2_EP_SIZES[0] <= self.world_size <= MC2_EP_SIZES[1]:
+            return f"ep_size {self.world_size} is outside {list(MC2_EP_SIZES)}"
+        if not low <= hidden_size <= high:
+            return f"hidden size {hidden_size} is outside [{low}, {high}]"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"dtype {dtype} is not float16 or bfloat16"
+        if not 1 <= top_k <= MC2_MAX_TOP_K:
+            return f"top_k {top_k} is above {MC2_MAX_TOP_K}"
+        if self.placement.num_experts > MC2_MAX_EXPERTS:
+            return f"{self.placement.num_experts} experts are above {MC2_MAX_EXPERTS}"
+        if not self.placement_fits:
+            return (f"the experts are not {self.placement.num_experts // self.world_size} "
+                    f"per rank in order (placement {self.placement.owner.tolist()})")
+        return None
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, *, batch_size: int) -> DispatchedTokens:
+        import torch_npu
+
+        self._check_routing(hidden_states, topk_weights, topk_ids)
+        num_tokens, top_k = topk_ids.shape
+        if not num_tokens <= batch_size <= MC2_MAX_TOKENS_PER_RANK:
+            raise ValueError(f"MC2MoEComm.dispatch: batch_size={batch_size} must hold this "
+                             f"rank's {num_tokens} tokens and be at most "
+                             f"{MC2_MAX_TOKENS_PER_RANK}.")
+        pad = batch_size - num_tokens
+        ids = topk_ids.to(torch.int32)
+        x = hidden_states
+        mask = None
+        if pad:
+            # Padding rows pick distinct experts, as the op requires of every row.
+            filler = torch.arange(top_k, dtype=torch.int32, device=ids.device)
+            ids = torch.cat([ids, filler.expand(pad, top_k)])
+            x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
+            mask = torch.arange(batch_size, device=x.device) < num_tokens
+        expand_x, _, assist, counts, recv_counts, _, _ = \
+            torch_npu.npu_moe_distribute_dispatch_v2(
+                x, ids, self.comm_name, self.world_size, self.rank,
+                self.placement.num_experts, x_active_mask=mask, expert_token_nums_type=1)
+        rows = expand_x.shape[0]
+        ends = torch.cumsum(counts, 0)
+        local_ids = torch.searchsorted(ends, torch.arange(rows, device=ends.device),
+                                       right=True).clamp(max=self.local - 1)
+        weights = torch.ones(rows, dtype=topk_weights.dtype, device=topk_weights.device)
+        return DispatchedTokens(
+            hidden_states=expand_x, local_expert_ids=local_ids,
+            expert_ids=local_ids + self.rank * self.local, topk_weights=weights,
+            tokens_per_expert=counts, method=self.method,
+            handle={"ids": ids, "assist": assist, "recv_counts": recv_counts, "mask": mask,
+                    "num_tokens": num_tokens, "topk_weights": topk_weights})
+
+    def combine(self, expert_output: torch.Tensor, dispatched: DispatchedTokens,
+                apply_weights: bool = True) -> torch.Tensor:
+        import torch_npu
+
+        self._check_output(type(self).__name__, expert_output, dispatched)
+        handle = dispatched.handle
+        ids = handle["ids"]
+        scales = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
+        if apply_weights:
+            scales[: handle["num_tokens"]] = handle["topk_weights"].float()
+        out = torch_npu.npu_moe_distribute_combine_v2(
+            expert_output, ids, handle["assist"], handle["recv_counts"], scales,
+            self.comm_name, self.world_size, self.rank, self.placement.num_experts,
+            x_active_mask=handle["mask"])
+        return out[: handle["num_tokens"]]
+
+
 def make_moe_comm(method: str, group: dist.ProcessGroup | None, placement: ExpertPlacement,
                   **kwargs: Any) -> AllGatherMoEComm | AllToAllMoEComm:
     """The communication object for ``method`` (``"allgather"`` or ``"alltoall"``)."""
@@ -449,21 +588,27 @@ def make_moe_comm(method: str, group: dist.ProcessGroup | None, placement: Exper
         return AllGatherMoEComm(group, placement, **kwargs)
     if method == ALL_TO_ALL:
         return AllToAllMoEComm(group, placement, **kwargs)
-    raise ValueError(f"Unknown MoE communication method {method!r}; expected one of "
-                     f"{', '.join(MOE_COMM_METHODS)}.")
+    raise ValueError(f"Unknown MoE communication method {method!r}; expected "
+                     f"{ALL_GATHER} or {ALL_TO_ALL} (MC2 needs a communicator name: "
+                     f"MoECommunication's mc2_comm_name).")
 
 
 class MoECommunication:
-    """Dispatch/combine that picks all-gather or all-to-all for each batch.
+    """Dispatch/combine that picks its path for each batch.
 
     Every rank must call ``dispatch`` for the same batch. Unless the caller passes
     ``max_tokens`` (the most tokens any rank holds, the same on every rank, e.g. from the
     data-parallel metadata), the ranks first all-gather their token counts, which the
     all-gather path reuses. ``combine`` follows the method its ``dispatch`` took.
+
+    With ``mc2`` (npu: torch_npu's MC2 ops over a communicator of their own), the shared
+    dispatch takes MC2 for every batch it serves (:meth:`select`), and an NPU graph being
+    captured must be served by it.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, placement: ExpertPlacement,
-                 *, all2all_min_tokens: int | None = None, validate: bool = True) -> None:
+                 *, all2all_min_tokens: int | None = None, validate: bool = True,
+                 mc2_comm_name: str | None = None) -> None:
         if all2all_min_tokens is None:
             from ascend_core import envs
 
@@ -471,12 +616,35 @@ class MoECommunication:
         self.all2all_min_tokens = all2all_min_tokens
         self.all_gather = AllGatherMoEComm(group, placement, validate=validate)
         self.all_to_all = AllToAllMoEComm(group, placement, validate=validate)
+        self.mc2 = (MC2MoEComm(group, placement, mc2_comm_name, validate=validate)
+                    if mc2_comm_name is not None else None)
         self.world_size = self.all_gather.world_size
+        self.rank = self.all_gather.rank
         self.group = group
         # Batches dispatched per method, by this object (what a test or a log can read).
         self.counts = {method: 0 for method in MOE_COMM_METHODS}
 
-    def select(self, max_tokens: int, top_k: int) -> str:
+    def mc2_why_not(self, hidden_size: int, dtype: torch.dtype, top_k: int) -> str | None:
+        """Why MC2 cannot serve a layer of this shape here (None when it can)."""
+        if self.mc2 is None:
+            return "no MC2 communicator (not the npu target's EP group)"
+        return self.mc2.why_not(hidden_size, dtype, top_k)
+
+    def select(self, max_tokens: int, top_k: int,
+               hidden_states: torch.Tensor | None = None) -> str:
+        """The path of a batch whose busiest rank holds ``max_tokens`` tokens: MC2 when it
+        serves the batch (``hidden_states``: any rank's rows, for their shape and dtype),
+        else :func:`select_moe_comm`'s all-gather or all-to-all. While an NPU graph captures,
+        only MC2 will do (the other paths size their tensors on the host)."""
+        if hidden_states is not None:
+            why = self.mc2_why_not(hidden_states.shape[-1], hidden_states.dtype, top_k)
+            if why is None and max_tokens > MC2_MAX_TOKENS_PER_RANK:
+                why = f"{max_tokens} tokens on a rank are above {MC2_MAX_TOKENS_PER_RANK}"
+            if why is None:
+                return MC2
+            if _capturing(hidden_states.device):
+                raise RuntimeError(f"an NPU graph can capture the MoE token exchange only "
+                                   f"through MC2, which cannot serve this batch: {why}.")
         return select_moe_comm(max_tokens, self.world_size, top_k, self.all2all_min_tokens)
 
     def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
@@ -498,59 +666,110 @@ class MoECommunication:
                 apply_weights: bool = True) -> torch.Tensor:
         if dispatched.shares is not None:
             raise ValueError("MoECommunication.combine: these rows came from "
-                             "dispatch_replicated; combine them with combine_replicated.")
+                             "dispatch_shared; combine them with combine_shared.")
         comm = self.all_to_all if dispatched.method == ALL_TO_ALL else self.all_gather
         return comm.combine(expert_output, dispatched, apply_weights)
 
-    # --- tokens every rank holds alike ------------------------------------------------------
+    # --- tokens that several ranks hold alike -----------------------------------------------
+
+    @staticmethod
+    def even_shares(num_tokens: int, parts: int) -> list[int]:
+        """An even split of ``num_tokens`` over ``parts``, the first parts one more."""
+        base, extra = divmod(num_tokens, parts)
+        return [base + (1 if part < extra else 0) for part in range(parts)]
 
     def shares(self, num_tokens: int) -> list[int]:
         """An even split of ``num_tokens`` over the ranks, the first ranks one more."""
-        base, extra = divmod(num_tokens, self.world_size)
-        return [base + (1 if rank < extra else 0) for rank in range(self.world_size)]
+        return self.even_shares(num_tokens, self.world_size)
 
-    def dispatch_replicated(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                            topk_ids: torch.Tensor) -> DispatchedTokens:
-        """Dispatch a batch that every rank holds in full and alike (tensor-parallel
-        attention in front of expert-parallel MoE without data parallelism: vLLM's TP + EP).
+    def whole_group(self) -> TokenGroup:
+        """Every rank of the group as one token group (no data parallelism)."""
+        return TokenGroup(self.group, self.rank, self.world_size)
 
-        The batch's token count is the same everywhere, so the choice needs no exchange:
+    def dispatch_shared(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, *, token_group: TokenGroup,
+                        tokens_per_group: list[int]) -> DispatchedTokens:
+        """Dispatch a batch that the ``token_group.size`` ranks of this rank's token group
+        hold alike; ``tokens_per_group``: the batch size of every token group, in EP rank
+        order (the data-parallel ranks' token counts; the same list on every rank).
 
-        - all-gather: the tokens are gathered already; this rank keeps the (token, choice)
-          rows of its experts and nothing moves;
-        - all-to-all: rank ``r`` takes its share of the tokens (:meth:`shares`) and sends
-          each of that share's rows to the owner of its expert.
+        Rank ``i`` of a token group takes the ``i``-th even share of its batch; the path is
+        chosen by the largest share of any rank (the same choice everywhere, no exchange):
 
-        :meth:`combine_replicated` gives every rank the whole batch's output.
+        - all-gather with one token group (every rank holds the whole batch): nothing moves,
+          each rank keeps the (token, choice) rows of its experts;
+        - otherwise each share travels by all-gather, all-to-all or MC2.
+
+        :meth:`combine_shared` gives every rank its token group's whole batch back.
         """
         self.all_gather._check_routing(hidden_states, topk_weights, topk_ids)
         num_tokens, top_k = topk_ids.shape
-        shares = self.shares(num_tokens)
-        method = self.select(num_tokens, max(top_k, 1))
+        size = token_group.size
+        groups = self.world_size // size if size >= 1 else 0
+        block = self.rank // size if size >= 1 else 0
+        if (size < 1 or self.world_size % size or len(tokens_per_group) != groups
+                or not 0 <= token_group.rank < size or self.rank % size != token_group.rank
+                or tokens_per_group[block] != num_tokens):
+            raise ValueError(f"MoECommunication.dispatch_shared: EP rank {self.rank} of "
+                             f"{self.world_size} with token groups of {size} rank(s) (this one "
+                             f"rank {token_group.rank} of its group) needs one batch size per "
+                             f"group ({groups}), this group's equal to its {num_tokens} tokens; "
+                             f"got {list(tokens_per_group)}.")
+        shares = self.even_shares(num_tokens, size)
+        every_share = [share for tokens in tokens_per_group
+                       for share in self.even_shares(tokens, size)]
+        most = max(every_share)
+        method = self.select(most, max(top_k, 1), hidden_states)
         self.counts[method] += 1
-        if method == ALL_TO_ALL:
-            start = sum(shares[: self.all_to_all.rank])
-            mine = slice(start, start + shares[self.all_to_all.rank])
-            dispatched = self.all_to_all._dispatch(hidden_states[mine], topk_weights[mine],
-                                                   topk_ids[mine])
-        else:
+        if method == ALL_GATHER and size == self.world_size:
             gathered = GatheredTokens(hidden_states, topk_weights, topk_ids, [num_tokens])
             dispatched = self.all_gather._keep_local(gathered, top_k)
+        else:
+            start = sum(shares[: token_group.rank])
+            mine = slice(start, start + shares[token_group.rank])
+            rows = (hidden_states[mine], topk_weights[mine], topk_ids[mine])
+            if method == MC2:
+                dispatched = self.mc2.dispatch(*rows, batch_size=max(most, 1))
+            elif method == ALL_TO_ALL:
+                dispatched = self.all_to_all._dispatch(*rows)
+            else:
+                dispatched = self.all_gather._dispatch(*rows, every_share)
         dispatched.shares = shares
+        dispatched.token_group = token_group
         return dispatched
+
+    def combine_shared(self, expert_output: torch.Tensor, dispatched: DispatchedTokens,
+                       apply_weights: bool = True) -> torch.Tensor:
+        """Every token's sum over its choices of weight * expert output, the token group's
+        whole batch on every rank of it: with one token group on the all-gather path, the
+        partial sums all-reduced; otherwise each share combined on its rank and the shares
+        gathered within the token group."""
+        token_group = dispatched.token_group
+        if dispatched.shares is None or token_group is None:
+            raise ValueError("MoECommunication.combine_shared: these rows came from "
+                             "dispatch, not dispatch_shared; combine them with combine.")
+        if dispatched.method == ALL_GATHER and token_group.size == self.world_size:
+            partial = self.all_gather.partial_sums(expert_output, dispatched, apply_weights)
+            if self.world_size > 1:
+                dist.all_reduce(partial, group=self.group)
+            return partial
+        comm = {ALL_GATHER: self.all_gather, ALL_TO_ALL: self.all_to_all,
+                MC2: self.mc2}[dispatched.method]
+        mine = comm.combine(expert_output, dispatched, apply_weights)
+        if token_group.size == 1:
+            return mine
+        return all_gatherv(mine, dispatched.shares, token_group.group)
+
+    def dispatch_replicated(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor) -> DispatchedTokens:
+        """:meth:`dispatch_shared` of a batch every rank holds in full and alike (tensor-
+        parallel attention in front of expert-parallel MoE without data parallelism: vLLM's
+        TP + EP)."""
+        return self.dispatch_shared(hidden_states, topk_weights, topk_ids,
+                                    token_group=self.whole_group(),
+                                    tokens_per_group=[hidden_states.shape[0]])
 
     def combine_replicated(self, expert_output: torch.Tensor, dispatched: DispatchedTokens,
                            apply_weights: bool = True) -> torch.Tensor:
-        """Every token's sum over its choices of weight * expert output, the whole batch on
-        every rank: the partial sums all-reduced (all-gather), or each share's combined rows
-        gathered from its rank (all-to-all)."""
-        if dispatched.shares is None:
-            raise ValueError("MoECommunication.combine_replicated: these rows came from "
-                             "dispatch, not dispatch_replicated; combine them with combine.")
-        if dispatched.method == ALL_TO_ALL:
-            mine = self.all_to_all.combine(expert_output, dispatched, apply_weights)
-            return all_gatherv(mine, dispatched.shares, self.group)
-        partial = self.all_gather.partial_sums(expert_output, dispatched, apply_weights)
-        if self.world_size > 1:
-            dist.all_reduce(partial, group=self.group)
-        return partial
+        """:meth:`combine_shared`: the whole batch's output on every rank."""
+        return self.combine_shared(expert_output, dispatched, apply_weights)

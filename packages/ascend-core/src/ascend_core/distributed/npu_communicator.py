@@ -37,7 +37,9 @@ class NPUCommunicator(DeviceCommunicatorBase):
     - ``all_to_all``: ``all_to_all_single`` with split sizes (exchanged first when the
       caller knows only what it sends);
     - the MoE token paths: ``moe_communication(placement)`` gives a dispatch/combine pair
-      that picks all-gather or all-to-all per batch (``ascend_core.distributed.moe_comm``);
+      that picks MC2, all-to-all or all-gather per batch (``ascend_core.distributed.moe_comm``;
+      MC2 over a second HCCL communicator of the same ranks, made once, as torch_npu's page
+      says no other op may use MC2's);
       in an ``ep`` group that vLLM builds with ``use_all2all`` (data parallel > 1), vLLM's
       own ``dispatch`` / ``combine`` go through ``AgRsAll2AllManager`` over these
       collectives, as on vLLM's CPU backend.
@@ -56,6 +58,8 @@ class NPUCommunicator(DeviceCommunicatorBase):
         super().__init__(cpu_group, device, device_group, unique_name, global_ranks,
                          global_world_size, use_all2all)
         self._moe_comms: dict[int, MoECommunication] = {}
+        self._mc2_group: ProcessGroup | None = None
+        self._mc2_comm_name: str | None = None
         if self.use_all2all:
             if self.all2all_backend not in (None, "naive", "allgather_reducescatter"):
                 logger.warning("all2all backend %r has no NPU implementation; using "
@@ -160,14 +164,34 @@ class NPUCommunicator(DeviceCommunicatorBase):
     def moe_communication(self, placement: ExpertPlacement, *,
                           all2all_min_tokens: int | None = None) -> MoECommunication:
         """Dispatch/combine over this group for the experts placed as ``placement``,
-        choosing all-gather or all-to-all per batch (one object per placement)."""
+        choosing MC2, all-to-all or all-gather per batch (one object per placement). Every
+        rank of the group must make its first call together (it may make MC2's group)."""
         key = id(placement)
         comm = self._moe_comms.get(key)
         if comm is None or comm.all_gather.placement is not placement:
             comm = MoECommunication(self._group(), placement,
-                                    all2all_min_tokens=all2all_min_tokens)
+                                    all2all_min_tokens=all2all_min_tokens,
+                                    mc2_comm_name=self.mc2_comm_name())
             self._moe_comms[key] = comm
         return comm
+
+    def mc2_comm_name(self) -> str | None:
+        """The HCCL communicator name torch_npu's MC2 ops take for this group's ranks: a
+        group of their own, made on the first call (by every rank together); None off an
+        NPU, for one rank, or where torch_npu has no MC2 ops."""
+        if self.device.type != "npu" or self.world_size < 2:
+            return None
+        import torch_npu
+
+        if not hasattr(torch_npu, "npu_moe_distribute_dispatch_v2"):
+            return None
+        if self._mc2_comm_name is None:
+            ranks = dist.get_process_group_ranks(self.device_group)
+            group = dist.new_group(ranks, backend="hccl", use_local_synchronization=True)
+            backend = group._get_backend(torch.device("npu"))
+            self._mc2_group = group
+            self._mc2_comm_name = backend.get_hccl_comm_name(dist.get_rank(group))
+        return self._mc2_comm_name
 
     def dispatch_router_logits(self, hidden_states, router_logits, is_sequence_parallel=False,
                                extra_tensors=None):
@@ -203,6 +227,9 @@ class NPUCommunicator(DeviceCommunicatorBase):
             self.all2all_manager.destroy()
             self.all2all_manager = None
         self._moe_comms.clear()
+        if self._mc2_group is not None:
+            dist.destroy_process_group(self._mc2_group)
+            self._mc2_group = self._mc2_comm_name = None
 
     # --- helpers --------------------------------------------------------------------------------
 

@@ -12,8 +12,8 @@ routes with ascend-kernels' ``topk_softmax`` / ``grouped_topk`` (``npu_moe_gatin
 ``moe_experts`` (tokens sorted by expert, ``npu_grouped_matmul``, ``npu_swiglu``,
 ``npu_grouped_matmul``, weighted scatter back). The expert weights are transposed once after
 loading into the ``[E, K, N]`` layout the grouped matmul reads. Under expert parallelism
-without data parallelism the method runs a vLLM MoE kernel instead whose dispatch/combine
-picks all-gather or all-to-all per batch (``ascend_core.ops.moe_ep``).
+(with or without data parallelism) the method runs a vLLM MoE kernel instead whose
+dispatch/combine picks MC2, all-to-all or all-gather per batch (``ascend_core.ops.moe_ep``).
 
 An expert-load balancer (ascend-eplb's MoE layer) may hand the method physical expert slots
 (:class:`ExpertSlots` through ``serve_expert_slots``): the routed logical ids then go through
@@ -144,6 +144,13 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
     # Physical expert slots an expert-load balancer put in service (serve_expert_slots).
     expert_slots: ExpertSlots | None = None
 
+    def __init__(self, moe, *args, **kwargs) -> None:
+        super().__init__(moe, *args, **kwargs)
+        from ascend_core.attention.npu_attention import _full_graphs_configured
+
+        # Read while the model is built (vLLM's config is current then, not at loading).
+        self.full_graphs = _full_graphs_configured()
+
     @property
     def _ours(self) -> bool:
         return self.unquantized_backend == UnquantizedMoeBackend.OOT
@@ -196,7 +203,8 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         if uses_moe_comm(self.moe):
             self.moe_kernel = make_moe_comm_kernel(
                 layer, self.moe, self.get_fused_moe_quant_config(layer),
-                lambda router_logits: self._select_experts(layer, router_logits))
+                lambda router_logits: self._select_experts(layer, router_logits),
+                full_graphs=self.full_graphs)
 
     def _select_experts(self, layer, router_logits: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,9 +242,9 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         if ep_size > 1 and self.moe_kernel is None:
             raise NotImplementedError(
                 f"MoE layer {name!r}: expert slots over {ep_size} expert-parallel ranks need "
-                f"the per-batch MoE communication (tensor + expert parallel without data "
-                f"parallelism); this layer has dp_size={parallel.dp_size}, "
-                f"pcp_size={parallel.pcp_size}.")
+                f"the per-batch MoE communication, which this layer does not run "
+                f"(dp_size={parallel.dp_size}, pcp_size={parallel.pcp_size}, FULL decode "
+                f"graphs: {self.full_graphs}, MC2 serving it only under graphs).")
         if slots.num_ranks != ep_size:
             raise ValueError(f"MoE layer {name!r}: the slots are spread over "
                              f"{slots.num_ranks} ranks but the layer has {ep_size} "

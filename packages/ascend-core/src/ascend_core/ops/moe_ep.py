@@ -3,22 +3,30 @@
 vLLM 0.32 runs an MoE layer through a ``FusedMoEKernel``: a prepare/finalize object (the
 token dispatch before the experts and the combine after them) and an experts object. Its
 MoE runner asks the kernel's prepare/finalize whether the output is already summed over the
-ranks (``output_is_reduced``) and all-reduces it otherwise. With tensor parallel + expert
-parallel and no data parallelism (``enable_expert_parallel=True``, ``data_parallel_size=1``)
-vLLM has no dispatch at all: every rank holds the whole batch, runs its own experts on it
-and the runner all-reduces.
+ranks (``output_is_reduced``) and all-reduces it otherwise. Without such a kernel, vLLM's
+tensor parallel + expert parallel (``enable_expert_parallel=True``) has no dispatch at all
+(every rank runs its own experts on the whole batch and the runner all-reduces), and with
+data parallelism its runner gathers every DP rank's tokens to every rank first (its
+"naive" dispatch over the EP group's all-gather / reduce-scatter manager).
 
-Here the npu method builds such a kernel (monolithic, as the method is) whose
+Here the npu method builds such a kernel (monolithic, as the method is), which vLLM then
+hands each DP rank's own tokens (``supports_internal_mk``), whose
 
 - prepare (:class:`AscendMoECommPrepareFinalize`) routes the batch (ascend-kernels'
   ``topk_softmax`` / ``grouped_topk``) and dispatches it through
-  ``MoECommunication.dispatch_replicated`` of the EP group's ``NPUCommunicator``, which
-  picks all-gather or all-to-all for this batch by its token count
-  (``VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS``);
+  ``MoECommunication.dispatch_shared`` of the EP group's ``NPUCommunicator``: the
+  tensor-parallel ranks of a DP rank (its token group) each take a share of its tokens, and
+  the shares travel by MC2 (torch_npu's ``npu_moe_distribute_dispatch_v2``, where its limits
+  admit the batch), all-to-all or all-gather, chosen per batch from the largest share
+  (``VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS``) and the DP ranks' token counts in vLLM's
+  data-parallel metadata;
 - experts (:class:`AscendDispatchedExperts`) run the dispatched rows, one local expert each,
   through ascend-kernels' ``moe_experts`` (npu_grouped_matmul, npu_swiglu);
-- finalize combines them (``combine_replicated``), every rank ending with the whole batch's
-  output, so ``output_is_reduced`` is true and the runner adds no all-reduce.
+- finalize combines them (``combine_shared``), every rank ending with its DP rank's whole
+  batch, so ``output_is_reduced`` is true and the runner adds no all-reduce.
+
+Under FULL decode graphs only MC2 can be captured (the other paths size tensors on the
+host): a layer MC2 cannot serve keeps vLLM's way there.
 
 Every dispatch is counted per path and batch size (``batches``), and logged at debug level.
 """
@@ -38,6 +46,7 @@ from ascend_core.distributed.moe_comm import (
     DispatchedTokens,
     ExpertPlacement,
     MoECommunication,
+    TokenGroup,
 )
 
 logger = init_logger(__name__)
@@ -87,11 +96,15 @@ class AscendMoECommPrepareFinalize(mk.FusedMoEPrepareAndFinalizeMonolithic):
 
     def __init__(self, comm: MoECommunication,
                  router: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                 layer_name: str = "") -> None:
+                 layer_name: str = "", token_group: TokenGroup | None = None,
+                 dp_rank: int = 0) -> None:
         super().__init__()
         self.comm = comm
         self.router = router
         self.layer_name = layer_name
+        # The TP ranks of this DP rank (None: every EP rank holds the whole batch).
+        self.token_group = token_group
+        self.dp_rank = dp_rank
         self.pending: DispatchedTokens | None = None
         # {method: {num_tokens: batches}}: which path each batch size took.
         self.batches: dict[str, dict[int, int]] = {method: {} for method in MOE_COMM_METHODS}
@@ -118,8 +131,13 @@ class AscendMoECommPrepareFinalize(mk.FusedMoEPrepareAndFinalizeMonolithic):
             raise RuntimeError(f"MoE layer {self.layer_name!r}: prepare called twice without "
                                f"finalize in between.")
         topk_weights, topk_ids = self.router(router_logits)
-        dispatched = self.comm.dispatch_replicated(a1, topk_weights, topk_ids)
         num_tokens = a1.shape[0]
+        if self.token_group is None:
+            dispatched = self.comm.dispatch_replicated(a1, topk_weights, topk_ids)
+        else:
+            dispatched = self.comm.dispatch_shared(
+                a1, topk_weights, topk_ids, token_group=self.token_group,
+                tokens_per_group=self._tokens_per_dp_rank(num_tokens))
         seen = self.batches[dispatched.method]
         seen[num_tokens] = seen.get(num_tokens, 0) + 1
         logger.debug("MoE layer %s: %d tokens through %s (%d rows here)", self.layer_name,
@@ -127,12 +145,30 @@ class AscendMoECommPrepareFinalize(mk.FusedMoEPrepareAndFinalizeMonolithic):
         self.pending = dispatched
         return dispatched.hidden_states, None, router_logits
 
+    def _tokens_per_dp_rank(self, num_tokens: int) -> list[int]:
+        """Every DP rank's token count in this forward (vLLM's data-parallel metadata)."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        metadata = (get_forward_context().dp_metadata if is_forward_context_available()
+                    else None)
+        if metadata is None:
+            raise RuntimeError(f"MoE layer {self.layer_name!r}: data parallel without vLLM's "
+                               f"data-parallel metadata in the forward context (each DP "
+                               f"rank's token count); run the model inside the model "
+                               f"runner's forward context.")
+        counts = [int(n) for n in metadata.num_tokens_across_dp_cpu.tolist()]
+        if counts[self.dp_rank] != num_tokens:
+            raise RuntimeError(f"MoE layer {self.layer_name!r}: DP rank {self.dp_rank} has "
+                               f"{num_tokens} tokens but the data-parallel metadata says "
+                               f"{counts}.")
+        return counts
+
     def finalize(self, fused_expert_output: torch.Tensor) -> torch.Tensor:
         dispatched, self.pending = self.pending, None
         if dispatched is None:
             raise RuntimeError(f"MoE layer {self.layer_name!r}: finalize without prepare.")
         # The experts ran with unit weights: the routing weights are applied here, in float32.
-        return self.comm.combine_replicated(fused_expert_output, dispatched)
+        return self.comm.combine_shared(fused_expert_output, dispatched)
 
 
 class AscendDispatchedExperts(mk.FusedMoEExpertsMonolithic):
@@ -168,8 +204,7 @@ class AscendDispatchedExperts(mk.FusedMoEExpertsMonolithic):
 
     @staticmethod
     def _supports_parallel_config(moe_parallel_config) -> bool:
-        return (moe_parallel_config.use_ep and moe_parallel_config.dp_size == 1
-                and moe_parallel_config.pcp_size == 1
+        return (moe_parallel_config.use_ep and moe_parallel_config.pcp_size == 1
                 and not moe_parallel_config.is_sequence_parallel)
 
     @staticmethod
@@ -195,19 +230,41 @@ class AscendDispatchedExperts(mk.FusedMoEExpertsMonolithic):
 
 def uses_moe_comm(moe_config) -> bool:
     """Whether the npu method serves this layer (its ``FusedMoEConfig``) through the
-    per-batch MoE communication: expert parallelism over more than one rank, every rank
-    holding the whole batch, and vLLM's runner left to skip its all-reduce (a model that
-    reduces the MoE output itself, ``skip_final_all_reduce``, keeps vLLM's way)."""
+    per-batch MoE communication: expert parallelism over more than one rank, and vLLM's
+    runner left to skip its all-reduce (a model that reduces the MoE output itself,
+    ``skip_final_all_reduce``, keeps vLLM's way). Data parallelism over expert parallelism
+    without context or sequence parallelism is refused with what would serve it
+    (:func:`check_data_parallel_layout`)."""
     parallel = moe_config.moe_parallel_config
+    check_data_parallel_layout(parallel)
     return (parallel.use_ep and parallel.ep_size > 1
             and AscendDispatchedExperts._supports_parallel_config(parallel)
             and not moe_config.skip_final_all_reduce)
 
 
+def check_data_parallel_layout(parallel) -> None:
+    """Refuse a data-parallel MoE layout the npu target's MoE path does not serve, on one
+    line with the values and what would serve it."""
+    if parallel.dp_size <= 1:
+        return
+    unserved = []
+    if parallel.pcp_size > 1:
+        unserved.append(f"prefill context parallel ({parallel.pcp_size})")
+    if parallel.is_sequence_parallel:
+        unserved.append("sequence-parallel MoE (--enable-sequence-parallel-moe)")
+    if unserved:
+        raise ValueError(f"npu target: data parallel {parallel.dp_size} with "
+                         f"{' and '.join(unserved)} is not served by the npu MoE path, which "
+                         f"takes data parallel x tensor parallel with --enable-expert-parallel "
+                         f"(or without it, vLLM's gather of every DP rank's tokens); drop "
+                         f"{' and '.join(unserved)}.")
+
+
 def make_moe_comm_kernel(layer, moe_config, quant_config,
-                         router: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-                         ) -> mk.FusedMoEKernel:
-    """The kernel for ``layer`` (a vLLM ``RoutedExperts``) over the EP group."""
+                         router: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                         full_graphs: bool = False) -> mk.FusedMoEKernel | None:
+    """The kernel for ``layer`` (a vLLM ``RoutedExperts``) over the EP group; None where
+    ``full_graphs`` (FULL decode graphs configured) and MC2 cannot serve the layer."""
     from vllm.distributed import get_ep_group
 
     parallel = moe_config.moe_parallel_config
@@ -225,10 +282,38 @@ def make_moe_comm_kernel(layer, moe_config, quant_config,
                                     parallel.ep_rank, layer.expert_placement_strategy,
                                     layer.expert_map)
     comm = communicator.moe_communication(placement)
-    prepare_finalize = AscendMoECommPrepareFinalize(comm, router, layer.layer_name)
+    if full_graphs:
+        why = comm.mc2_why_not(moe_config.hidden_dim, moe_config.in_dtype, layer.top_k)
+        if why is not None:
+            logger.info("MoE layer %s: FULL decode graphs capture the expert-parallel token "
+                        "exchange only through MC2, which cannot serve it (%s); vLLM's MoE "
+                        "path serves this layer.", layer.layer_name, why)
+            return None
+    token_group = None
+    if parallel.dp_size > 1:
+        token_group = _tp_token_group(layer.layer_name, parallel)
+    prepare_finalize = AscendMoECommPrepareFinalize(comm, router, layer.layer_name,
+                                                    token_group, parallel.dp_rank)
     experts = AscendDispatchedExperts(moe_config, quant_config, prepare_finalize)
     return mk.FusedMoEKernel(prepare_finalize, experts)
 
 
-__all__ = ["AscendDispatchedExperts", "AscendMoECommPrepareFinalize", "make_moe_comm_kernel",
-           "placement_from_vllm", "uses_moe_comm"]
+def _tp_token_group(layer_name: str, parallel) -> TokenGroup:
+    """This DP rank's tensor-parallel ranks, which hold its batch alike: consecutive ranks of
+    the EP group (vLLM orders it DP rank by DP rank, TP ranks within)."""
+    from vllm.distributed import get_tp_group
+
+    tp = get_tp_group()
+    expected = parallel.dp_rank * tp.world_size + tp.rank_in_group
+    if parallel.ep_size != parallel.dp_size * tp.world_size or parallel.ep_rank != expected:
+        raise ValueError(f"MoE layer {layer_name!r}: EP rank {parallel.ep_rank} of "
+                         f"{parallel.ep_size} is not DP rank {parallel.dp_rank} x TP rank "
+                         f"{tp.rank_in_group} of {parallel.dp_size} x {tp.world_size} "
+                         f"(expected EP rank {expected}).")
+    return TokenGroup(tp.device_group if tp.world_size > 1 else None, tp.rank_in_group,
+                      tp.world_size)
+
+
+__all__ = ["AscendDispatchedExperts", "AscendMoECommPrepareFinalize",
+           "check_data_parallel_layout", "make_moe_comm_kernel", "placement_from_vllm",
+           "uses_moe_comm"]
