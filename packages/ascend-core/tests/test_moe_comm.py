@@ -24,8 +24,8 @@ from ascend_core import envs
 from ascend_core.distributed.moe_comm import (
     ALL_GATHER,
     ALL_TO_ALL,
-    MC2,
     DEFAULT_ALL2ALL_MIN_TOKENS,
+    MC2,
     AllGatherMoEComm,
     AllToAllMoEComm,
     ExpertPlacement,

@@ -16,6 +16,7 @@ sys.path.insert(0, REFERENCE)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
 import torch_npu  # noqa: E402, F401
 
 HIDDEN, TOP_K, EXPERTS = 1024, 3, 8

@@ -37,10 +37,10 @@ seeding and graphs (``NPUGraph``, ``graph``; capture records, replay re-runs; ta
 and their updates, ``ExternalEvent``);
 ``torch_npu.npu_rms_norm`` and ``torch_npu.npu_swiglu``; the norm, quant and
 rotary ops of ``_ops_norm_quant``, the routing ops of ``_ops_routing``, the MC2 token
-exchange of ``_ops_moe_distribute`` (``npu_moe_distribute_dispatch_v2`` / ``_combine_v2``) and the weight
-quantization and grouped-matmul ops of ``_ops_quant``; the paged KV-cache write and fused
-inference attention of ``_ops_attention`` (with the attention's ``.out`` form and its
-graph workspace); storage formats (``npu_format_cast``, ``get_npu_format``, ``Format``:
+exchange of ``_ops_moe_distribute`` (``npu_moe_distribute_dispatch_v2`` / ``_combine_v2``)
+and the weight quantization and grouped-matmul ops of ``_ops_quant``; the paged KV-cache
+write and fused inference attention of ``_ops_attention`` (with the attention's ``.out``
+form and its graph workspace); storage formats (``npu_format_cast``, ``get_npu_format``, ``Format``:
 ND and FRACTAL_NZ, recorded per storage, see ``_formats``). Not modelled:
 profiling, formats other than ND and FRACTAL_NZ, every other fused op; those names are
 absent, so their use fails. The exception is a name that libraries

@@ -42,6 +42,7 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
 import ascend_kernels
 from ascend_core.distributed.moe_comm import (
+    MC2_MAX_TOKENS_PER_RANK,
     MOE_COMM_METHODS,
     DispatchedTokens,
     ExpertPlacement,
@@ -292,6 +293,12 @@ def make_moe_comm_kernel(layer, moe_config, quant_config,
     token_group = None
     if parallel.dp_size > 1:
         token_group = _tp_token_group(layer.layer_name, parallel)
+    logger.info_once("npu MoE: expert-parallel token exchange chosen per batch over %d EP "
+                     "ranks (DP %d x TP %d); MC2: %s", parallel.ep_size, parallel.dp_size,
+                     token_group.size if token_group else parallel.ep_size,
+                     comm.mc2_why_not(moe_config.hidden_dim, moe_config.in_dtype,
+                                      layer.top_k) or "serves batches of up to "
+                     f"{MC2_MAX_TOKENS_PER_RANK} tokens per rank")
     prepare_finalize = AscendMoECommPrepareFinalize(comm, router, layer.layer_name,
                                                     token_group, parallel.dp_rank)
     experts = AscendDispatchedExperts(moe_config, quant_config, prepare_finalize)

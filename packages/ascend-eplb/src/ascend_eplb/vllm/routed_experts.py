@@ -101,9 +101,18 @@ class _StepInfo:
     real: bool  # a scheduled step (not a dummy or profiling run)
     num_tokens: int | None = None  # tokens without padding, when known
     prefill_mask: torch.Tensor | None = None  # [num_tokens] True for prefill tokens
+    # A step boundary of the EPLB runtime: every real step, and under data parallelism
+    # every forward (a DP rank without requests runs a dummy batch in step with the others).
+    boundary: bool | None = None
+
+    @property
+    def is_boundary(self) -> bool:
+        return self.real if self.boundary is None else self.boundary
 
 
 _NOT_A_STEP = _StepInfo(real=False)
+# An idle DP rank's dummy batch: replans stay in step with the busy ranks; nothing recorded.
+_DATA_PARALLEL_DUMMY = _StepInfo(real=False, boundary=True)
 
 
 HOST, NPU = "host", "npu"
@@ -264,16 +273,21 @@ class ModelEplb:
         if self.runtime is None:
             self._start()
         self._step = self._step_info()
-        if self._step.real:
+        if self._step.is_boundary:
             self.runtime.on_step_boundary()
 
     def _step_info(self) -> _StepInfo:
         if not is_forward_context_available():
             return _NOT_A_STEP
-        metadata = get_forward_context().attn_metadata
+        context = get_forward_context()
+        metadata = context.attn_metadata
         if isinstance(metadata, list):
             metadata = metadata[0] if metadata else None
         if not metadata:
+            # Every DP rank runs each step's forward (the idle ones a dummy batch), so every
+            # rank counts it and replans together (their weight exchange is collective).
+            if getattr(context, "dp_metadata", None) is not None:
+                return _DATA_PARALLEL_DUMMY
             return _NOT_A_STEP
         for per_layer in metadata.values():
             lengths = _query_lengths(per_layer)
