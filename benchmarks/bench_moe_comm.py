@@ -1,12 +1,14 @@
 """Which MoE token communication each batch took under expert parallelism (counts, not speed).
 
-A tiny Qwen3-MoE (top-1 routing over 8 experts, two layers) on two reference NPUs
-(``tensor_parallel_size=2, enable_expert_parallel=True``, the npu target on the reference
-torch_npu: HCCL is gloo underneath, so no timing here means anything). For 1, 16 and 64
-concurrent prompts, the workers count every MoE forward by its path (all-gather or
-all-to-all, chosen per batch from its token count against
-``VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS``) and its batch's token count. The table lists, per
-load, the batch sizes each path served.
+Two tiny Qwen3-MoEs (top-1 routing over 8 experts, two layers), hidden size 128 and 1024, on
+two reference NPUs (``tensor_parallel_size=2, enable_expert_parallel=True``, the npu target
+on the reference torch_npu: HCCL is gloo underneath, so no timing here means anything). For
+1, 16 and 64 concurrent prompts, the workers count every MoE forward by its path and its
+batch's token count: MC2 (torch_npu's ``npu_moe_distribute_dispatch_v2`` / ``_combine_v2``)
+where it serves the layer (hidden size 1024, not 128) and the batch (at most 512 tokens per
+rank's share), else all-gather or all-to-all from the token count against
+``VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS``. The tables list, per load, the batch sizes each path
+served.
 
 Results: ``benchmarks/results/moe_comm.json`` and ``moe_comm.md``.
 
@@ -33,14 +35,18 @@ NPU = {"VLLM_ASCEND_TARGET": "npu", "TORCH_NPU_REFERENCE_DEVICE_COUNT": "2",
        "PYTHONPATH": os.pathsep.join([REFERENCE, os.environ.get("PYTHONPATH", "")])}
 
 
-def main() -> int:
-    from ascend_plugin.tiny_models import ensure_model
+MODELS = {
+    "tiny qwen3_moe (top-1 of 8 experts, 2 layers, hidden 128), bf16": {},
+    "tiny qwen3_moe (top-1 of 8 experts, 2 layers, hidden 1024), bf16":
+        {"hidden_size": 1024, "num_heads": 16, "num_kv_heads": 4},
+}
 
-    model = str(ensure_model("qwen3_moe", num_experts_per_tok=1))
+
+def count_paths(model: str) -> dict:
     loads = {}
     for n in LOADS:
         prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(n)]
-        print(f"[bench_moe_comm] {n} concurrent prompts", flush=True)
+        print(f"[bench_moe_comm] {Path(model).name}: {n} concurrent prompts", flush=True)
         result = run_vllm({"model": model, "prompts": prompts, "max_tokens": 16,
                            "llm": {"dtype": "bfloat16", "gpu_memory_utilization": 0.2,
                                    "tensor_parallel_size": 2, "enable_expert_parallel": True,
@@ -48,12 +54,18 @@ def main() -> int:
         ranks = [worker["moe_comm_batches"] for worker in result["workers"]]
         assert ranks[0] == ranks[1], "the two ranks took different paths"
         loads[str(n)] = {method: {int(k): v for k, v in sizes.items()}
-                         for method, sizes in ranks[0].items()}
-    from ascend_core import envs
+                         for method, sizes in ranks[0].items() if sizes}
+    return loads
 
-    results = {"model": "tiny qwen3_moe (top-1 of 8 experts, 2 layers), bf16",
-               "all2all_min_tokens": envs.VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS,
-               "loads": loads}
+
+def main() -> int:
+    from ascend_core import envs
+    from ascend_plugin.tiny_models import ensure_model
+
+    models = {name: count_paths(str(ensure_model("qwen3_moe", num_experts_per_tok=1, **kw)))
+              for name, kw in MODELS.items()}
+    results = {"all2all_min_tokens": envs.VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS,
+               "models": models}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "moe_comm.json").write_text(json.dumps(results, indent=2) + "\n")
     (RESULTS / "moe_comm.md").write_text(markdown(results))
@@ -65,19 +77,21 @@ def markdown(results: dict) -> str:
     lines = [
         "# MoE token communication per batch under expert parallelism (npu target, reference)",
         "",
-        f"{results['model']}, TP 2 with expert parallelism on two reference NPUs. Written by "
+        "TP 2 with expert parallelism on two reference NPUs. Written by "
         "`benchmarks/bench_moe_comm.py`. Counts of MoE forwards (summed over the layers and "
-        "the engine's own profiling and warm-up runs) by path and by the batch's token count; "
+        "the engine's own profiling and warm-up runs) by path and by the batch's token count "
+        "(each rank dispatches its half); MC2 where it serves the layer (hidden size 1024-7168) "
+        "and the batch (at most 512 tokens per rank), otherwise "
         f"`VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS`: {results['all2all_min_tokens']}.",
-        "",
-        "| concurrent prompts | path | batch tokens: forwards |",
-        "|---|---|---|",
     ]
-    for n, methods in results["loads"].items():
-        for method, sizes in sorted(methods.items()):
-            shown = ", ".join(f"{k}: {v}" for k, v in sorted(sizes.items(),
-                                                             key=lambda kv: int(kv[0])))
-            lines.append(f"| {n} | {method} | {shown} |")
+    for model, loads in results["models"].items():
+        lines += ["", f"## {model}", "", "| concurrent prompts | path | batch tokens: forwards |",
+                  "|---|---|---|"]
+        for n, methods in loads.items():
+            for method, sizes in sorted(methods.items()):
+                shown = ", ".join(f"{k}: {v}" for k, v in sorted(sizes.items(),
+                                                                 key=lambda kv: int(kv[0])))
+                lines.append(f"| {n} | {method} | {shown} |")
     return "\n".join(lines) + "\n"
 
 

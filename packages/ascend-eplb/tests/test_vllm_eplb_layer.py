@@ -220,3 +220,21 @@ def test_query_lengths_from_either_attention_metadata():
     assert _query_lengths(vllm_style).tolist() == [5, 1, 1]
     assert _query_lengths(ascend_style).tolist() == [5, 1, 1]
     assert _query_lengths(SimpleNamespace(seq_lens=[3])) is None
+
+
+@pytest.mark.parametrize(("dp_metadata", "boundary"), [(None, False), (object(), True)])
+def test_a_forward_without_attention_metadata_is_a_step_only_under_data_parallelism(
+        monkeypatch, dp_metadata, boundary):
+    """An idle DP rank runs a dummy batch (no attention metadata) while the others run a
+    step: it must close a step too, or the ranks' replans (a collective weight exchange)
+    fall out of step. Without data parallelism such a forward (profiling, warm-up) is none."""
+    model = object.__new__(ModelEplb)
+    model.decode_query_len = 1
+    context = SimpleNamespace(attn_metadata=None, dp_metadata=dp_metadata)
+    monkeypatch.setattr(routed_experts, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(routed_experts, "get_forward_context", lambda: context)
+    step = model._step_info()
+    assert step.is_boundary is boundary and step.real is False
+    model.runtime = mock.Mock()
+    model._begin_forward()
+    assert model.runtime.on_step_boundary.call_count == int(boundary)
