@@ -31,7 +31,7 @@ RESULTS = Path(__file__).parent / "results"
 LOADS = (1, 16, 64)
 REFERENCE = str(ROOT / "testing" / "reference_torch_npu")
 NPU = {"VLLM_ASCEND_TARGET": "npu", "TORCH_NPU_REFERENCE_DEVICE_COUNT": "2",
-       "TORCH_NPU_REFERENCE_TOTAL_MEMORY": str(1 << 30),
+       "TORCH_NPU_REFERENCE_TOTAL_MEMORY": str(1 << 32),
        "PYTHONPATH": os.pathsep.join([REFERENCE, os.environ.get("PYTHONPATH", "")])}
 
 

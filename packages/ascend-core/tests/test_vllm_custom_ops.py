@@ -7,10 +7,12 @@ from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 
 from ascend_core.ops import vllm_custom_ops
 from ascend_core.ops.moe import AscendUnquantizedFusedMoEMethod
 from ascend_core.ops.vllm_custom_ops import (
+    AscendMRotaryEmbedding,
     AscendRMSNorm,
     AscendRotaryEmbedding,
     AscendSiluAndMul,
@@ -29,8 +31,8 @@ def vllm_context():
 
 
 def test_registration_makes_vllm_build_our_layers(vllm_context):
-    assert register_with_vllm() == ["RMSNorm", "RotaryEmbedding", "SiluAndMul",
-                                    "UnquantizedFusedMoEMethod"]
+    assert register_with_vllm() == ["MRotaryEmbedding", "RMSNorm", "RotaryEmbedding",
+                                    "SiluAndMul", "UnquantizedFusedMoEMethod"]
     assert register_with_vllm() == []  # once per process, however often plugins load
     assert type(RMSNorm(64)) is AscendRMSNorm
     assert type(SiluAndMul()) is AscendSiluAndMul
@@ -139,3 +141,57 @@ def test_host_rotary_embedding_of_head_views_is_right(vllm_context, monkeypatch,
                         lambda self, *args: calls.append(len(args)) or args[1:])
     rope.forward_cpu(positions, torch.randn(5, 128), torch.randn(5, 32))
     assert calls == [3]
+
+
+def _mrope(section=(16, 24, 24), interleaved=False, head_size=128, neox=True):
+    register_with_vllm()
+    rope = MRotaryEmbedding(head_size, 2 * sum(section), 256, 1000000.0, neox, torch.float32,
+                            mrope_section=list(section), mrope_interleaved=interleaved)
+    assert type(rope) is AscendMRotaryEmbedding
+    return rope
+
+
+@pytest.mark.parametrize(("section", "interleaved", "head_size", "neox"), [
+    ((16, 24, 24), False, 128, True),   # Qwen2-VL / Qwen2.5-VL
+    ((24, 20, 20), True, 128, True),    # Qwen3-VL
+    ((4, 6, 6), False, 64, False),      # partial rotary, gptj
+])
+def test_mrotary_embedding_equals_vllms(vllm_context, section, interleaved, head_size, neox):
+    torch.manual_seed(3)
+    rope = _mrope(section, interleaved, head_size, neox)
+    query, key = torch.randn(6, 4 * head_size), torch.randn(6, 2 * head_size)
+    for positions in (torch.randint(0, 1024, (3, 6)), torch.randint(0, 1024, (6,))):
+        ref_q, ref_k = rope.forward_native(positions, query.clone(), key.clone())
+        q, k = query.clone(), key.clone()
+        out_q, out_k = rope.forward_oot(positions, q, k)  # ascend-kernels, as on npu
+        torch.testing.assert_close(out_q, ref_q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out_k, ref_k, atol=1e-5, rtol=1e-5)
+        assert out_q.data_ptr() == q.data_ptr()  # in place
+    # The host keeps vLLM's code.
+    assert AscendMRotaryEmbedding.forward_cpu is MRotaryEmbedding.forward_cpu
+
+
+def test_mrotary_embedding_on_npu_takes_npu_mrope(vllm_context, monkeypatch):
+    """On npu tensors (the reference torch_npu) Qwen2.5-VL's sections go through
+    ``npu_mrope``, bfloat16, and equal vLLM's native rotation."""
+    from npu_reference import reference_torch_npu
+
+    with reference_torch_npu() as torch_npu:
+        calls = []
+        real = torch_npu.npu_mrope
+
+        def spy(*args, **kwargs):
+            calls.append(kwargs["mrope_section"])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(torch_npu, "npu_mrope", spy)
+        rope = _mrope()
+        torch.manual_seed(4)
+        positions = torch.randint(0, 1024, (3, 5))
+        query = torch.randn(5, 2 * 128).bfloat16()
+        key = torch.randn(5, 128).bfloat16()
+        ref_q, ref_k = rope.forward_native(positions, query.clone(), key.clone())
+        q, k = rope.forward_oot(positions.to("npu"), query.to("npu"), key.to("npu"))
+        assert calls == [[16, 24, 24]] and q.device.type == "npu"
+        torch.testing.assert_close(q.cpu().float(), ref_q.float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(k.cpu().float(), ref_k.float(), atol=3e-2, rtol=3e-2)

@@ -51,3 +51,29 @@ def test_norms_and_silu_equal_vllm_forward_native(backend):
     gate_up = torch.randn(3, 2 * 40)
     torch.testing.assert_close(silu_and_mul(gate_up, backend=backend),
                                SiluAndMul().forward_native(gate_up), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize(("section", "interleaved", "neox", "head_size", "rotary_dim"), [
+    ([4, 6, 6], False, True, 32, 32),     # Qwen2-VL's layout, small
+    ([8, 12, 12], False, False, 64, 64),  # gptj style
+    ([6, 5, 5], True, True, 32, 32),      # Qwen3-VL's interleaved THWTHW..., H and W equal
+    ([4, 3, 1], True, True, 32, 16),      # interleaved, W shorter than H, partial rotary
+])
+def test_mrope_equals_vllm_mrotary_embedding_forward_native(backend, section, interleaved,
+                                                            neox, head_size, rotary_dim):
+    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
+
+    from ascend_kernels import mrope
+
+    torch.manual_seed(2)
+    layer = MRotaryEmbedding(head_size, rotary_dim, 64, 10000.0, neox, torch.float32,
+                             mrope_section=section, mrope_interleaved=interleaved)
+    tokens = 7
+    positions = torch.randint(0, 64 * 4, (3, tokens))
+    query, key = torch.randn(tokens, 4 * head_size), torch.randn(tokens, 2 * head_size)
+    want_q, want_k = layer.forward_native(positions, query.clone(), key.clone())
+    got_q, got_k = mrope(positions, query, key, layer.cos_sin_cache, head_size, section,
+                         neox, interleaved, backend=backend)
+    torch.testing.assert_close(got_q, want_q.reshape(query.shape), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k.reshape(key.shape), atol=1e-5, rtol=1e-5)

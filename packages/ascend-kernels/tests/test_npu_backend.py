@@ -182,3 +182,40 @@ def test_rotary_embedding_npu_in_place(reference_torch_npu, key_present):
     torch.testing.assert_close(query, expected_q)
     if key_present:
         torch.testing.assert_close(key, expected_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_size", "rotary_dim", "neox"), [(128, 128, True),
+                                                                (128, 128, False),
+                                                                (160, 128, True)])
+def test_mrope_npu_takes_npu_mrope_and_equals_reference(reference_torch_npu, monkeypatch,
+                                                        dtype, head_size, rotary_dim, neox):
+    torch.manual_seed(6)
+    tokens, section = 5, (16, 24, 24)
+    positions = torch.randint(0, 16, (3, tokens))
+    cache = torch.randn(16, rotary_dim)
+    query = torch.randn(tokens, 4 * head_size, dtype=dtype)
+    key = torch.randn(tokens, 2 * head_size, dtype=dtype)
+    calls = _spy(monkeypatch, reference_torch_npu, "npu_mrope")
+    q, k = ascend_kernels.mrope(positions, query, key, cache, head_size, section, neox,
+                                backend="npu")
+    ref_q, ref_k = ascend_kernels.mrope(positions, query, key, cache.to(dtype), head_size,
+                                        section, neox, backend="reference")
+    assert [call["mrope_section"] for call in calls] == [[16, 24, 24]]
+    assert calls[0]["rotary_mode"] == ("half" if neox else "interleave")
+    assert_close(q, ref_q, dtype, scale=2)
+    assert_close(k, ref_k, dtype, scale=2)
+
+
+@pytest.mark.parametrize(("section", "interleaved", "head_size", "why"), [
+    ((8, 12, 12), False, 64, r"takes mrope_section \[\[16, 24, 24\]\]"),
+    ((16, 24, 24), True, 128, "no interleaved sections"),
+])
+def test_mrope_npu_refuses_what_npu_mrope_does_not_take(reference_torch_npu, section,
+                                                        interleaved, head_size, why):
+    rotary_dim = 2 * sum(section)
+    positions = torch.zeros(3, 2, dtype=torch.long)
+    query, key = torch.randn(2, head_size), torch.randn(2, head_size)
+    with pytest.raises(ascend_kernels.BackendUnavailable, match=why):
+        ascend_kernels.mrope(positions, query, key, torch.randn(4, rotary_dim), head_size,
+                             section, True, interleaved, backend="npu")

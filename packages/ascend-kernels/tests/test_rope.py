@@ -170,3 +170,89 @@ def test_bad_inputs_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         rotary_embedding(args["positions"], args["query"], args["key"], args["cos_sin_cache"],
                          args["head_size"])
+
+
+# --- multimodal RoPE --------------------------------------------------------------------------
+
+
+def _mrope_inputs(tokens: int, heads_q: int, heads_k: int, head_size: int, rotary_dim: int,
+                  dtype=torch.float32, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, MAX_POSITION, (3, tokens), generator=generator)
+    query = torch.randn(tokens, heads_q * head_size, generator=generator).to(dtype)
+    key = torch.randn(tokens, heads_k * head_size, generator=generator).to(dtype)
+    return positions, query, key, _cache(rotary_dim)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mrope_pairs_take_their_sections_position(interleaved):
+    """Each rotated pair turns by the angle of its own section's position: pairs of the
+    T section by row 0, H by row 1, W by row 2 (interleaved: pair i is H where i % 3 == 1
+    and i < 3 * H, W where i % 3 == 2 and i < 3 * W)."""
+    from ascend_kernels import mrope
+
+    section = (2, 3, 3)
+    head_size = rotary_dim = 16
+    positions, query, key, cache = _mrope_inputs(5, 2, 1, head_size, rotary_dim)
+    q, k = mrope(positions, query, key, cache, head_size, section, True, interleaved)
+    for pair in range(rotary_dim // 2):
+        if interleaved:
+            row = 1 if pair % 3 == 1 and pair < 9 else 2 if pair % 3 == 2 and pair < 9 else 0
+        else:
+            row = 0 if pair < 2 else 1 if pair < 5 else 2
+        one = torch.zeros(rotary_dim)
+        one[pair] = 1.0
+        cache_one = cache.clone()
+        cache_one[:, :rotary_dim // 2] = cache[:, :rotary_dim // 2] * one[:rotary_dim // 2] + (
+            1 - one[:rotary_dim // 2])
+        cache_one[:, rotary_dim // 2:] = cache[:, rotary_dim // 2:] * one[:rotary_dim // 2]
+        # Only this pair rotates (every other pair has cos 1, sin 0): by row `row`'s angle.
+        got, _ = mrope(positions, query, key, cache_one, head_size, section, True, interleaved)
+        want = _complex_rotation(query, positions[row], cache_one, head_size, True)
+        torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    assert q.shape == query.shape and k.shape == key.shape
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("tokens, heads_q, heads_k, head_size, rotary_dim, section", [
+    (5, 4, 2, 16, 16, (2, 3, 3)),
+    (3, 3, 1, 24, 12, (2, 2, 2)),    # partial rotary, odd heads
+    (9, 2, 2, 32, 32, (8, 4, 4)),
+])
+def test_mrope_triton_matches_reference(dtype, interleaved, neox, tokens, heads_q, heads_k,
+                                        head_size, rotary_dim, section):
+    from ascend_kernels import mrope
+
+    positions, query, key, cache = _mrope_inputs(tokens, heads_q, heads_k, head_size,
+                                                 rotary_dim, dtype, seed=tokens)
+    ref_q, ref_k = mrope(positions, query, key, cache, head_size, section, neox, interleaved,
+                         backend="reference")
+    q, k = mrope(positions, query, key, cache, head_size, section, neox, interleaved,
+                 backend="triton")
+    assert_close(q, ref_q, dtype)
+    assert_close(k, ref_k, dtype)
+    # In place, into the caller's tensors.
+    q2, k2 = query.clone(), key.clone()
+    out_q, out_k = mrope(positions, q2, k2, cache, head_size, section, neox, interleaved,
+                         inplace=True, backend="triton")
+    assert out_q is q2 and out_k is k2
+    assert_close(q2, ref_q, dtype)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"positions": torch.zeros(4, dtype=torch.long)}, r"positions must be \[3, num_tokens\]"),
+    ({"mrope_section": (2, 3)}, "three non-negative ints"),
+    ({"mrope_section": (2, 3, 4)}, r"covers 9 pairs but the cache rotates 8.*add up"),
+    ({"key": None}, "key is required"),
+])
+def test_mrope_bad_inputs_are_named(kwargs, match):
+    from ascend_kernels import mrope
+
+    positions, query, key, cache = _mrope_inputs(4, 2, 1, 16, 16)
+    args = {"positions": positions, "query": query, "key": key, "cos_sin_cache": cache,
+            "head_size": 16, "mrope_section": (2, 3, 3), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        mrope(**args)

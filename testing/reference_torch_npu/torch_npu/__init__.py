@@ -100,6 +100,7 @@ npu_add_rms_norm = _on_device(_ops_norm_quant.npu_add_rms_norm)
 npu_add_rms_norm_dynamic_quant = _on_device(_ops_norm_quant.npu_add_rms_norm_dynamic_quant)
 npu_add_rms_norm_quant = _on_device(_ops_norm_quant.npu_add_rms_norm_quant)
 npu_apply_rotary_pos_emb = _on_device(_ops_norm_quant.npu_apply_rotary_pos_emb)
+npu_mrope = _on_device(_ops_norm_quant.npu_mrope)
 npu_dynamic_quant = _on_device(_ops_norm_quant.npu_dynamic_quant)
 # x2 in FRACTAL_NZ: the binding calls aclnnQuantMatmulWeightNz for it (op-plugin's
 # npu_quant_matmul checks is_nz_format(x2)), though the page lists ND only.
@@ -128,7 +129,8 @@ _install(npu)
 __all__ = ["Format", "get_npu_format", "npu_format_cast", "npu", "npu_fusion_attention",
            "npu_rms_norm", "npu_swiglu",
            "npu_add_rms_norm", "npu_add_rms_norm_dynamic_quant", "npu_add_rms_norm_quant",
-           "npu_apply_rotary_pos_emb", "npu_dynamic_quant", "npu_quant_matmul", "npu_rotary_mul",
+           "npu_apply_rotary_pos_emb", "npu_dynamic_quant",
+           "npu_mrope", "npu_quant_matmul", "npu_rotary_mul",
            "npu_moe_gating_top_k", "npu_moe_gating_top_k_softmax",
            "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2", "npu_top_k_top_p",
            "npu_convert_weight_to_int4pack", "npu_grouped_matmul", "npu_quantize",

@@ -607,3 +607,102 @@ def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSH", rotary_mode="ha
         x32 = x.float()
         x.copy_((x32 * c + _rotate_half(x32) * s).to(x.dtype))
     return query, key
+
+
+# mrope_section values the real op's tiling takes (aclnnRopeWithSinCosCache as the
+# snapshot's binding calls it; later CANN releases add more): [16, 24, 24], Qwen2-VL's.
+_MROPE_SECTIONS = ((16, 24, 24),)
+
+
+def npu_mrope(positions, query, key, cos_sin_cache, head_size, *, mrope_section=None,
+              rotary_mode="half"):
+    """``torch_npu.npu_mrope(positions, query, key, cos_sin_cache, head_size, *,
+    mrope_section=None, rotary_mode='half') -> (query_out, key_out)``.
+
+    Follows Ascend/op-plugin ``docs/context/torch_npu-npu_mrope.md``, the binding (op-plugin's
+    schema: new outputs shaped like ``query`` / ``key``; ``rotary_mode`` 'half' is neox
+    style, any other value gptj style) and the op's checks (aclnnRopeWithSinCosCache):
+
+    - ``positions`` int64 (the op's check; the page also names int32), ``[T]`` (plain rope:
+      ``mrope_section`` None or ``[0, 0, 0]``) or ``[3, T]`` (temporal, height, width);
+      every value below ``cos_sin_cache.shape[0]``;
+    - ``query`` ``[T, Hq * head_size]``, ``key`` ``[T, Hk * head_size]``, ``cos_sin_cache``
+      ``[max_position, rotary_dim]`` (``[cos | sin]`` halves), all float16, bfloat16 or
+      float32 alike; ``head_size`` and ``rotary_dim`` 64-byte aligned (multiples of 32 in
+      half precision, 16 in float32), ``rotary_dim <= head_size`` (the tail passes through);
+    - ``mrope_section`` ``[16, 24, 24]`` (the sections the op's tiling takes), adding up to
+      ``rotary_dim / 2``: pair ``i`` of each head takes the cos/sin of row 0, 1 or 2 of
+      ``positions`` by the section it falls in (sections one after another).
+
+    Computed in float32, each output cast once to its input's dtype.
+    """
+    for name, value in (("positions", positions), ("query", query), ("key", key),
+                        ("cos_sin_cache", cos_sin_cache)):
+        _require_tensor(name, value)
+        _require_not_empty(name, value)
+    if isinstance(head_size, bool) or not isinstance(head_size, int):
+        raise TypeError(f"head_size must be an int, got {type(head_size).__name__}.")
+    if positions.dtype != torch.int64:
+        raise RuntimeError(f"positions must be int64, got {positions.dtype}.")
+    for name, value in (("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)):
+        _require_float_dtype(name, value)
+        if value.dtype != query.dtype:
+            raise RuntimeError(f"{name} has dtype {value.dtype} but query has {query.dtype}; "
+                               "query, key and cos_sin_cache must share one.")
+    if query.dim() != 2 or key.dim() != 2 or query.shape[0] != key.shape[0]:
+        raise RuntimeError(f"query {tuple(query.shape)} and key {tuple(key.shape)} must be "
+                           "2-D [num_tokens, heads * head_size] with the same num_tokens.")
+    if cos_sin_cache.dim() != 2:
+        raise RuntimeError(f"cos_sin_cache must be 2-D [max_position, rotary_dim], got "
+                           f"{tuple(cos_sin_cache.shape)}.")
+    rotary_dim = cos_sin_cache.shape[1]
+    align = 16 if query.dtype == torch.float32 else 32
+    if head_size % align or rotary_dim % align:
+        raise RuntimeError(f"head_size {head_size} and rotary_dim {rotary_dim} must be "
+                           f"multiples of {align} for {query.dtype} (64-byte aligned).")
+    if rotary_dim > head_size:
+        raise RuntimeError(f"headSize can't be smaller than rotaryDim: head_size {head_size}, "
+                           f"rotary_dim {rotary_dim}.")
+    for name, value in (("query", query), ("key", key)):
+        if value.shape[1] % head_size:
+            raise RuntimeError(f"{name}'s last dim {value.shape[1]} is not a multiple of "
+                               f"head_size {head_size}.")
+    section = tuple(mrope_section) if mrope_section is not None else (0, 0, 0)
+    num_tokens = query.shape[0]
+    if section[0] <= 0:  # plain rope
+        if positions.shape != (num_tokens,):
+            raise RuntimeError(f"positions must be [num_tokens={num_tokens}] without "
+                               f"mrope_section, got {tuple(positions.shape)}.")
+        rows = positions.reshape(1, -1).expand(rotary_dim // 2, -1)
+    else:
+        if section not in _MROPE_SECTIONS:
+            raise RuntimeError(f"mrope_section {list(section)} is not supported; supported: "
+                               f"{[list(s) for s in _MROPE_SECTIONS]}.")
+        if sum(section) * 2 != rotary_dim:
+            raise RuntimeError(f"mrope_section {list(section)} must add up to rotary_dim / 2 "
+                               f"= {rotary_dim // 2}.")
+        if positions.shape != (3, num_tokens):
+            raise RuntimeError(f"positions must be [3, num_tokens={num_tokens}] with "
+                               f"mrope_section, got {tuple(positions.shape)}.")
+        pair_section = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+        rows = positions[pair_section]  # [rotary_dim / 2, T]
+    if int(positions.min()) < 0 or int(positions.max()) >= cos_sin_cache.shape[0]:
+        raise RuntimeError(f"positions must lie in [0, {cos_sin_cache.shape[0]}).")
+    half = rotary_dim // 2
+    pairs = torch.arange(half)
+    cos = cos_sin_cache[rows.t(), pairs].float()[:, None, :]
+    sin = cos_sin_cache[rows.t(), pairs + half].float()[:, None, :]
+    neox = rotary_mode == "half"
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        heads = x.reshape(num_tokens, -1, head_size).float()
+        rot, kept = heads[..., :rotary_dim], heads[..., rotary_dim:]
+        if neox:
+            x1, x2 = rot.chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return torch.cat((out, kept), dim=-1).reshape(x.shape).to(x.dtype)
+
+    return rotate(query), rotate(key)

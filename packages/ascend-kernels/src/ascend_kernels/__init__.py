@@ -5,7 +5,7 @@ pays a Triton implementation and a torch_npu implementation. ``backend=None``
 lets the dispatcher choose by device; tests force a backend by name.
 
 Modules: ``norm`` (rms_norm, add_rms_norm, l2norm), ``activation``
-(silu_and_mul), ``rope`` (rotary_embedding, rope_launch_config), ``quant``
+(silu_and_mul), ``rope`` (rotary_embedding, mrope, rope_launch_config), ``quant``
 (dynamic_per_token_quant, add_rms_norm_quant, scaled_int8_mm), ``routing``
 (topk_softmax, grouped_topk), ``sampling`` (apply_top_k_top_p, apply_penalties) and
 ``rejection`` (the rejection-sampling kernels of speculative decoding) and ``lora``
@@ -28,7 +28,7 @@ from ascend_kernels.rejection import (
     rejection_random_sample,
     sample_recovered_tokens,
 )
-from ascend_kernels.rope import RopeLaunchConfig, rope_launch_config, rotary_embedding
+from ascend_kernels.rope import RopeLaunchConfig, mrope, rope_launch_config, rotary_embedding
 from ascend_kernels.routing import grouped_topk, topk_softmax
 from ascend_kernels.sampling import apply_penalties, apply_top_k_top_p
 
@@ -50,6 +50,7 @@ __all__ = [
     "lora_expand",
     "lora_shrink",
     "moe_experts",
+    "mrope",
     "rejection_greedy_sample",
     "rejection_random_sample",
     "resolve_backend",

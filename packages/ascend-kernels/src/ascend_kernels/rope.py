@@ -327,10 +327,12 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 def _triton_rotary_embedding(positions, query, key, cos_sin_cache, head_size, is_neox_style,
-                             inplace, ub_size_kb, config: RopeLaunchConfig | None = None):
+                             inplace, ub_size_kb, config: RopeLaunchConfig | None = None,
+                             mrope_section: tuple[int, int, int] | None = None,
+                             mrope_interleaved: bool = False):
     from ascend_kernels.triton_kernels import rope as triton_rope
 
-    num_tokens = positions.numel()
+    num_tokens = positions.shape[-1]
     q3 = _heads_view(query, num_tokens, head_size)
     k3 = None if key is None else _heads_view(key, num_tokens, head_size)
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
@@ -348,8 +350,9 @@ def _triton_rotary_embedding(positions, query, key, cos_sin_cache, head_size, is
     if k3 is not None:
         k_out = k3 if inplace and k3.data_ptr() == key.data_ptr() else torch.empty_like(
             k3, memory_format=torch.contiguous_format)
-    triton_rope.rotary_embedding(positions.reshape(-1).contiguous(), q3, k3, cache,
-                                 is_neox_style, q_out, k_out, config)
+    flat = positions.contiguous() if mrope_section else positions.reshape(-1).contiguous()
+    triton_rope.rotary_embedding(flat, q3, k3, cache, is_neox_style, q_out, k_out, config,
+                                 mrope_section, mrope_interleaved)
     return _as_given(q_out, query), None if key is None else _as_given(k_out, key)
 
 
@@ -358,3 +361,97 @@ def _as_given(out: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
     if out.data_ptr() == given.data_ptr() and out.numel() == given.numel():
         return given
     return out.reshape(given.shape)
+
+
+# --- multimodal RoPE -------------------------------------------------------------------------
+
+
+def mrope_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                  mrope_section: tuple[int, int, int] | list[int],
+                  interleaved: bool = False) -> torch.Tensor:
+    """Each token's ``[cos | sin]`` row ``[T, rotary_dim]`` for ``positions`` ``[3, T]``
+    (temporal, height, width): rotated pair ``i`` takes the row of its section's position,
+    the T / H / W sections one after another, or interleaved (pair ``i`` is H where
+    ``i % 3 == 1`` and ``i < 3 * H``, W where ``i % 3 == 2`` and ``i < 3 * W``, else T), as
+    vLLM's ``MRotaryEmbedding.forward_native`` selects them."""
+    half = cos_sin_cache.shape[-1] // 2
+    pairs = torch.arange(half, device=positions.device)
+    if interleaved:
+        section = torch.where((pairs % 3 == 1) & (pairs < 3 * mrope_section[1]), 1, 0)
+        section = torch.where((pairs % 3 == 2) & (pairs < 3 * mrope_section[2]), 2, section)
+    else:
+        section = (pairs >= mrope_section[0]).long() + (
+            pairs >= mrope_section[0] + mrope_section[1]).long()
+    rows = positions.long()[section]  # [half, T]: the position each pair reads
+    columns = torch.cat((pairs, pairs + half))
+    return cos_sin_cache[torch.cat((rows, rows)).t(), columns]
+
+
+def _check_mrope(positions, query, key, cos_sin_cache, head_size, mrope_section) -> None:
+    op = "mrope"
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or (
+            positions.shape[0] != 3):
+        got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else positions
+        raise ValueError(f"{op}: positions must be [3, num_tokens] (temporal, height, width), "
+                         f"got {got}; pass 1-D positions to rotary_embedding")
+    if key is None:
+        raise ValueError(f"{op}: key is required (vLLM's MRotaryEmbedding rotates both)")
+    if (not isinstance(mrope_section, (list, tuple)) or len(mrope_section) != 3
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 0
+                   for n in mrope_section)):
+        raise ValueError(f"{op}: mrope_section must be three non-negative ints (T, H, W pairs), "
+                         f"got {mrope_section!r}")
+    rotary_dim = cos_sin_cache.shape[-1] if isinstance(cos_sin_cache, torch.Tensor) else None
+    if rotary_dim is not None and sum(mrope_section) * 2 != rotary_dim:
+        raise ValueError(f"{op}: mrope_section {list(mrope_section)} covers "
+                         f"{sum(mrope_section)} pairs but the cache rotates {rotary_dim // 2} "
+                         f"(rotary_dim {rotary_dim}); the sections must add up to rotary_dim / 2")
+    _check_rope_inputs(positions[0], query, key, cos_sin_cache, head_size)
+
+
+def mrope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+          cos_sin_cache: torch.Tensor, head_size: int,
+          mrope_section: tuple[int, int, int] | list[int], is_neox_style: bool = True,
+          interleaved: bool = False, *, inplace: bool = False, ub_size_kb: int = 0,
+          backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal rotary embedding (Qwen2-VL / Qwen2.5-VL / Qwen3-VL): ``positions``
+    ``[3, T]``, each rotated pair by the cos/sin of its section's position
+    (:func:`mrope_cos_sin`), otherwise as :func:`rotary_embedding` (partial rotary, neox or
+    gptj, ``inplace``).
+
+    Backends: the reference (the selected rows, then :func:`rotary_embedding_reference`);
+    Triton (one launch, each pair reading its section's position); torch_npu
+    (``npu_mrope`` where its page serves the shape, see ``npu_ops.rope.mrope_problem``).
+    """
+    _check_mrope(positions, query, key, cos_sin_cache, head_size, mrope_section)
+    section = tuple(int(n) for n in mrope_section)
+    num_tokens = positions.shape[-1]
+    rotary_dim = cos_sin_cache.shape[-1]
+    from ascend_kernels.npu_ops.rope import mrope_problem
+
+    num_heads = query.numel() // max(num_tokens * head_size, 1)
+    chosen = resolve_backend("mrope", query, (REFERENCE, TRITON, NPU), backend,
+                             {NPU: mrope_problem(head_size, rotary_dim, num_heads, section,
+                                                 is_neox_style, interleaved, query.dtype)})
+    if chosen == REFERENCE or num_tokens == 0:
+        per_token = mrope_cos_sin(positions, cos_sin_cache, section, interleaved)
+        steps = torch.arange(num_tokens, device=positions.device)
+        q_out, k_out = rotary_embedding_reference(steps, query, key, per_token, head_size,
+                                                  is_neox_style)
+    elif chosen == NPU:
+        from ascend_kernels.npu_ops import rope as npu_rope
+
+        q_out, k_out = npu_rope.mrope(positions, query, key, cos_sin_cache, head_size,
+                                      section, is_neox_style)
+    else:
+        q_out, k_out = _triton_rotary_embedding(positions, query, key, cos_sin_cache,
+                                                head_size, is_neox_style, inplace, ub_size_kb,
+                                                mrope_section=section,
+                                                mrope_interleaved=interleaved)
+    if not inplace:
+        return q_out, k_out
+    if q_out is not query:
+        query.copy_(q_out)
+    if k_out is not key:
+        key.copy_(k_out)
+    return query, key

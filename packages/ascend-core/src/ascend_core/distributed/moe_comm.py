@@ -631,15 +631,19 @@ class MoECommunication:
         return self.mc2.why_not(hidden_size, dtype, top_k)
 
     def select(self, max_tokens: int, top_k: int,
-               hidden_states: torch.Tensor | None = None) -> str:
-        """The path of a batch whose busiest rank holds ``max_tokens`` tokens: MC2 when it
-        serves the batch (``hidden_states``: any rank's rows, for their shape and dtype),
-        else :func:`select_moe_comm`'s all-gather or all-to-all. While an NPU graph captures,
-        only MC2 will do (the other paths size their tensors on the host)."""
+               hidden_states: torch.Tensor | None = None,
+               max_share: int | None = None) -> str:
+        """The path of a batch whose busiest rank holds ``max_tokens`` tokens and sends
+        ``max_share`` of them (default: all): MC2 when it serves the batch
+        (``hidden_states``: any rank's rows, for their shape and dtype; at most 512 tokens
+        sent per rank), else :func:`select_moe_comm`'s all-gather or all-to-all by
+        ``max_tokens``. While an NPU graph captures, only MC2 will do (the other paths size
+        their tensors on the host)."""
         if hidden_states is not None:
+            sent = max_tokens if max_share is None else max_share
             why = self.mc2_why_not(hidden_states.shape[-1], hidden_states.dtype, top_k)
-            if why is None and max_tokens > MC2_MAX_TOKENS_PER_RANK:
-                why = f"{max_tokens} tokens on a rank are above {MC2_MAX_TOKENS_PER_RANK}"
+            if why is None and sent > MC2_MAX_TOKENS_PER_RANK:
+                why = f"{sent} tokens sent by a rank are above {MC2_MAX_TOKENS_PER_RANK}"
             if why is None:
                 return MC2
             if _capturing(hidden_states.device):
@@ -694,7 +698,8 @@ class MoECommunication:
         order (the data-parallel ranks' token counts; the same list on every rank).
 
         Rank ``i`` of a token group takes the ``i``-th even share of its batch; the path is
-        chosen by the largest share of any rank (the same choice everywhere, no exchange):
+        chosen from the largest batch (MC2's limit: from the largest share), the same choice
+        everywhere without an exchange:
 
         - all-gather with one token group (every rank holds the whole batch): nothing moves,
           each rank keeps the (token, choice) rows of its experts;
@@ -719,7 +724,7 @@ class MoECommunication:
         every_share = [share for tokens in tokens_per_group
                        for share in self.even_shares(tokens, size)]
         most = max(every_share)
-        method = self.select(most, max(top_k, 1), hidden_states)
+        method = self.select(max(tokens_per_group), max(top_k, 1), hidden_states, most)
         self.counts[method] += 1
         if method == ALL_GATHER and size == self.world_size:
             gathered = GatheredTokens(hidden_states, topk_weights, topk_ids, [num_tokens])

@@ -17,9 +17,9 @@ hands each DP rank's own tokens (``supports_internal_mk``), whose
   ``MoECommunication.dispatch_shared`` of the EP group's ``NPUCommunicator``: the
   tensor-parallel ranks of a DP rank (its token group) each take a share of its tokens, and
   the shares travel by MC2 (torch_npu's ``npu_moe_distribute_dispatch_v2``, where its limits
-  admit the batch), all-to-all or all-gather, chosen per batch from the largest share
-  (``VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS``) and the DP ranks' token counts in vLLM's
-  data-parallel metadata;
+  admit the batch), all-to-all or all-gather, chosen per batch from the DP ranks' token
+  counts in vLLM's data-parallel metadata (the largest against
+  ``VLLM_ASCEND_MOE_ALL2ALL_MIN_TOKENS``);
 - experts (:class:`AscendDispatchedExperts`) run the dispatched rows, one local expert each,
   through ascend-kernels' ``moe_experts`` (npu_grouped_matmul, npu_swiglu);
 - finalize combines them (``combine_shared``), every rank ending with its DP rank's whole

@@ -56,6 +56,21 @@ def _(positions, query, key, cos_sin_cache, head_size, is_neox_style, ub_size_kb
     return None
 
 
+@torch.library.custom_op(f"{_NAMESPACE}::mrope_", mutates_args=("query", "key"))
+def mrope_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+           cos_sin_cache: torch.Tensor, head_size: int, mrope_section: list[int],
+           is_neox_style: bool, interleaved: bool, ub_size_kb: int) -> None:
+    """Multimodal rotary embedding of ``query`` and ``key``, in place."""
+    ascend_kernels.mrope(positions, query, key, cos_sin_cache, head_size, mrope_section,
+                         is_neox_style, interleaved, inplace=True, ub_size_kb=ub_size_kb)
+
+
+@mrope_.register_fake
+def _(positions, query, key, cos_sin_cache, head_size, mrope_section, is_neox_style,
+      interleaved, ub_size_kb) -> None:
+    return None
+
+
 @torch.library.custom_op(f"{_NAMESPACE}::silu_and_mul", mutates_args=())
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return ascend_kernels.silu_and_mul(x)

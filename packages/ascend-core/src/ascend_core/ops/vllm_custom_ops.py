@@ -21,6 +21,7 @@ from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 
 import ascend_kernels
 from ascend_core import envs
@@ -81,6 +82,41 @@ class AscendRotaryEmbedding(RotaryEmbedding):
         return self.forward_oot(positions, query, key)
 
 
+class AscendMRotaryEmbedding(MRotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``[3, T]`` positions through
+    ascend-kernels' ``mrope`` (torch_npu ``npu_mrope`` where it serves, else Triton), text
+    positions ``[T]`` through ``rotary_embedding``, both in place; the host keeps vLLM's
+    ``forward_cpu``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ub_size_kb = envs.VLLM_ASCEND_ROPE_UB_SIZE_KB
+
+    def forward_oot(self, positions: torch.Tensor, query: torch.Tensor,
+                    key: torch.Tensor | None = None, offsets: torch.Tensor | None = None):
+        if offsets is not None:  # vLLM's native path does not take them either
+            raise NotImplementedError("AscendMRotaryEmbedding: position offsets are not "
+                                      "served.")
+        cos_sin_cache = self._match_cos_sin_cache_dtype(query)
+        if positions.dim() == 1:
+            if _traced_on_npu(query):
+                traced_ops.rotary_embedding_(positions, query, key, cos_sin_cache,
+                                             self.head_size, self.is_neox_style,
+                                             self.ub_size_kb)
+                return query, key
+            return ascend_kernels.rotary_embedding(
+                positions, query, key, cos_sin_cache, self.head_size, self.is_neox_style,
+                inplace=True, ub_size_kb=self.ub_size_kb)
+        section = list(self.mrope_section)
+        if _traced_on_npu(query):
+            traced_ops.mrope_(positions, query, key, cos_sin_cache, self.head_size, section,
+                              self.is_neox_style, self.mrope_interleaved, self.ub_size_kb)
+            return query, key
+        return ascend_kernels.mrope(positions, query, key, cos_sin_cache, self.head_size,
+                                    section, self.is_neox_style, self.mrope_interleaved,
+                                    inplace=True, ub_size_kb=self.ub_size_kb)
+
+
 class AscendSiluAndMul(SiluAndMul):
     def forward_oot(self, x: torch.Tensor) -> torch.Tensor:
         if _traced_on_npu(x):
@@ -92,6 +128,7 @@ def register() -> None:
     """Put the replacements in core's custom-op registry (no vLLM side effect)."""
     CUSTOM_OPS.register("RMSNorm", AscendRMSNorm)
     CUSTOM_OPS.register("RotaryEmbedding", AscendRotaryEmbedding)
+    CUSTOM_OPS.register("MRotaryEmbedding", AscendMRotaryEmbedding)
     CUSTOM_OPS.register("SiluAndMul", AscendSiluAndMul)
     # vLLM builds its unquantized MoE method through CustomOp too; ours serves the npu
     # platform, for which vLLM 0.32 has no unquantized experts kernel.

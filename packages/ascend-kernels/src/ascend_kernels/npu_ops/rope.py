@@ -74,3 +74,41 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
     return rotate(query), None if key is None else rotate(key)
+
+
+# --- multimodal RoPE: npu_mrope -------------------------------------------------------------
+
+# The sections npu_mrope's tiling takes (docs/context/torch_npu-npu_mrope.md and the op's
+# checks, aclnnRopeWithSinCosCache): Qwen2-VL's and Qwen2.5-VL's [16, 24, 24].
+MROPE_SECTIONS = ((16, 24, 24),)
+
+
+def mrope_problem(head_size: int, rotary_dim: int, num_heads: int,
+                  mrope_section: tuple[int, int, int], is_neox: bool, interleaved: bool,
+                  dtype: torch.dtype) -> str | None:
+    """Why ``npu_mrope`` cannot take this multimodal rope (None when it can)."""
+    if interleaved:
+        return "npu_mrope (this binding) has no interleaved sections (no cache_mode)"
+    if tuple(mrope_section) not in MROPE_SECTIONS:
+        return (f"npu_mrope takes mrope_section {[list(s) for s in MROPE_SECTIONS]}, "
+                f"got {list(mrope_section)}")
+    align = 16 if dtype == torch.float32 else 32
+    if head_size % align or rotary_dim % align:
+        return (f"npu_mrope needs head_size ({head_size}) and rotary_dim ({rotary_dim}) "
+                f"in multiples of {align} for {dtype}")
+    return None
+
+
+def mrope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+          cos_sin_cache: torch.Tensor, head_size: int, mrope_section: tuple[int, int, int],
+          is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``npu_mrope`` on ``query`` / ``key`` as ``[T, H * D]`` (new tensors, shaped as
+    given): int64 positions ``[3, T]``, the cache in the query's dtype."""
+    torch_npu = torch_npu_module()
+    num_tokens = positions.shape[-1]
+    q_out, k_out = torch_npu.npu_mrope(
+        positions.to(torch.int64).contiguous(), query.reshape(num_tokens, -1).contiguous(),
+        key.reshape(num_tokens, -1).contiguous(),
+        cos_sin_cache.to(query.dtype).contiguous(), head_size,
+        mrope_section=list(mrope_section), rotary_mode="half" if is_neox else "interleave")
+    return q_out.reshape(query.shape), k_out.reshape(key.shape)
