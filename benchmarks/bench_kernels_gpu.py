@@ -19,6 +19,10 @@ l2norm, dynamic_per_token_quant, add_rms_norm_quant) at tokens {1, 64, 4096, 327
 4. writes ``kernels_gpu.json`` and ``kernels_gpu.md`` (with the GPU's name and the torch and
    Triton versions) into ``--out`` (default ``benchmarks/results``).
 
+mrope (multimodal RoPE, Qwen2.5-VL's T / H / W sections 16 / 24 / 24 of 128-wide heads, the
+heads of rotary_embedding, ``[3, tokens]`` positions) has its stored run in
+``benchmarks/results/kernels_gpu_mrope.*`` (``--ops mrope --out DIR``, the files renamed).
+
 The multi-LoRA ops (lora_shrink, lora_expand) run a batch spread over 4 adapter slots of rank
 16 and no adapter (token t in slot ``t % 5 - 1``, -1 = none): shrink ``[tokens, hidden]`` to a
 float32 ``[tokens, 16]``, expand that back into ``[tokens, hidden]`` (added in place); their
@@ -68,7 +72,7 @@ QUICK_HIDDEN = (4096,)
 DRY_TOKENS = (1, 3)
 DRY_HIDDEN = (64, 96)
 OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "l2norm",
-       "dynamic_per_token_quant", "add_rms_norm_quant", "lora_shrink", "lora_expand")
+       "dynamic_per_token_quant", "add_rms_norm_quant", "lora_shrink", "lora_expand", "mrope")
 EPS = 1e-6
 # Goals of issue 6: at LARGE_TOKENS and more, at least as fast as torch.compile and this
 # fraction of copy bandwidth; at SMALL_TOKENS and fewer, no slower than eager.
@@ -191,6 +195,10 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
             positions = torch.randint(0, max_position, (tokens,), device=device)
             return (positions, randn(tokens, heads_q * head_size),
                     randn(tokens, heads_k * head_size), cache, head_size, True)
+        if op == "mrope":
+            positions = torch.randint(0, max_position, (3, tokens), device=device)
+            return (positions, randn(tokens, heads_q * head_size),
+                    randn(tokens, heads_k * head_size), cache, head_size, mrope_section, True)
         if op == "l2norm":
             return (randn(tokens, hidden), EPS)
         if op == "dynamic_per_token_quant":
@@ -204,6 +212,8 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
                     token_lora, 0, True)
         raise ValueError(f"unknown op {op!r}")
 
+    # Qwen2.5-VL's T / H / W pairs for 128-wide heads (scaled down for the dry-run heads).
+    mrope_section = (16, 24, 24) if head_size == 128 else (2, 3, 3)
     token_lora = torch.arange(tokens, device=device) % (LORA_SLOTS + 1) - 1
     slot_weights = min(tokens, LORA_SLOTS) * LORA_RANK * hidden * elem
 
@@ -223,6 +233,10 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
                              # q and k read and written, a cos/sin row and a position per token
                              2 * tokens * (heads_q + heads_k) * head_size * elem
                              + tokens * (head_size * elem + 8), _all(float_close)),
+        "mrope": (lambda a: ak.mrope(*a, backend="triton"), rope.mrope_reference,
+                  # q and k read and written, three positions and a cos/sin row per token
+                  2 * tokens * (heads_q + heads_k) * head_size * elem
+                  + tokens * (head_size * elem + 3 * 8), _all(float_close)),
         "l2norm": (lambda a: ak.l2norm(*a, backend="triton"), norm.l2norm_reference,
                    2 * rows * elem, float_close),
         "dynamic_per_token_quant": (lambda a: ak.dynamic_per_token_quant(*a, backend="triton"),

@@ -387,6 +387,18 @@ def mrope_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     return cos_sin_cache[torch.cat((rows, rows)).t(), columns]
 
 
+def mrope_reference(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, head_size: int,
+                    mrope_section: tuple[int, int, int] | list[int],
+                    is_neox_style: bool = True, interleaved: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """New tensors: each token's selected ``[cos | sin]`` row (:func:`mrope_cos_sin`), then
+    :func:`rotary_embedding_reference`; float32 inside."""
+    per_token = mrope_cos_sin(positions, cos_sin_cache, mrope_section, interleaved)
+    steps = torch.arange(positions.shape[-1], device=positions.device)
+    return rotary_embedding_reference(steps, query, key, per_token, head_size, is_neox_style)
+
+
 def _check_mrope(positions, query, key, cos_sin_cache, head_size, mrope_section) -> None:
     op = "mrope"
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or (
@@ -434,10 +446,8 @@ def mrope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                              {NPU: mrope_problem(head_size, rotary_dim, num_heads, section,
                                                  is_neox_style, interleaved, query.dtype)})
     if chosen == REFERENCE or num_tokens == 0:
-        per_token = mrope_cos_sin(positions, cos_sin_cache, section, interleaved)
-        steps = torch.arange(num_tokens, device=positions.device)
-        q_out, k_out = rotary_embedding_reference(steps, query, key, per_token, head_size,
-                                                  is_neox_style)
+        q_out, k_out = mrope_reference(positions, query, key, cos_sin_cache, head_size,
+                                       section, is_neox_style, interleaved)
     elif chosen == NPU:
         from ascend_kernels.npu_ops import rope as npu_rope
 
