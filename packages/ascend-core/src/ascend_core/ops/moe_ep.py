@@ -60,9 +60,10 @@ def placement_from_vllm(num_experts: int, ep_size: int, ep_rank: int, strategy: 
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
     if num_experts < ep_size:
-        raise ValueError(f"expert parallelism over {ep_size} ranks needs at least one expert "
-                         f"per rank, but the layer has {num_experts} experts; use an "
-                         f"expert-parallel size of at most {num_experts}.")
+        raise ValueError(f"expert parallelism over {ep_size} ranks (data parallel x tensor "
+                         f"parallel) needs at least one expert per rank, but the layer has "
+                         f"{num_experts} experts; use an expert-parallel size of at most "
+                         f"{num_experts}.")
     owner = torch.full((num_experts,), -1, dtype=torch.int64)
     local_index = torch.full((num_experts,), -1, dtype=torch.int64)
     for rank in range(ep_size):
@@ -233,32 +234,11 @@ def uses_moe_comm(moe_config) -> bool:
     """Whether the npu method serves this layer (its ``FusedMoEConfig``) through the
     per-batch MoE communication: expert parallelism over more than one rank, and vLLM's
     runner left to skip its all-reduce (a model that reduces the MoE output itself,
-    ``skip_final_all_reduce``, keeps vLLM's way). Data parallelism over expert parallelism
-    without context or sequence parallelism is refused with what would serve it
-    (:func:`check_data_parallel_layout`)."""
+    ``skip_final_all_reduce``, keeps vLLM's way)."""
     parallel = moe_config.moe_parallel_config
-    check_data_parallel_layout(parallel)
     return (parallel.use_ep and parallel.ep_size > 1
             and AscendDispatchedExperts._supports_parallel_config(parallel)
             and not moe_config.skip_final_all_reduce)
-
-
-def check_data_parallel_layout(parallel) -> None:
-    """Refuse a data-parallel MoE layout the npu target's MoE path does not serve, on one
-    line with the values and what would serve it."""
-    if parallel.dp_size <= 1:
-        return
-    unserved = []
-    if parallel.pcp_size > 1:
-        unserved.append(f"prefill context parallel ({parallel.pcp_size})")
-    if parallel.is_sequence_parallel:
-        unserved.append("sequence-parallel MoE (--enable-sequence-parallel-moe)")
-    if unserved:
-        raise ValueError(f"npu target: data parallel {parallel.dp_size} with "
-                         f"{' and '.join(unserved)} is not served by the npu MoE path, which "
-                         f"takes data parallel x tensor parallel with --enable-expert-parallel "
-                         f"(or without it, vLLM's gather of every DP rank's tokens); drop "
-                         f"{' and '.join(unserved)}.")
 
 
 def make_moe_comm_kernel(layer, moe_config, quant_config,
@@ -322,5 +302,4 @@ def _tp_token_group(layer_name: str, parallel) -> TokenGroup:
 
 
 __all__ = ["AscendDispatchedExperts", "AscendMoECommPrepareFinalize",
-           "check_data_parallel_layout", "make_moe_comm_kernel", "placement_from_vllm",
-           "uses_moe_comm"]
+           "make_moe_comm_kernel", "placement_from_vllm", "uses_moe_comm"]
