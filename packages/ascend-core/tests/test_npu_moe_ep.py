@@ -86,6 +86,8 @@ def _config(use_ep=True, ep_size=2, dp_size=1, pcp_size=1, sp=False, skip=False)
     (_config(use_ep=False, ep_size=1, dp_size=2), False),
     (_config(pcp_size=2), False),
     (_config(sp=True), False),
+    # vLLM's sequence-parallel MoE (DP and TP): each rank's chunk is its own.
+    (_config(dp_size=2, sp=True), True),
     # The model all-reduces the MoE output itself; an already summed output would be summed
     # again.
     (_config(skip=True), False),

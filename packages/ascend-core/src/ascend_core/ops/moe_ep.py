@@ -99,7 +99,7 @@ class AscendMoECommPrepareFinalize(mk.FusedMoEPrepareAndFinalizeMonolithic):
     def __init__(self, comm: MoECommunication,
                  router: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                  layer_name: str = "", token_group: TokenGroup | None = None,
-                 dp_rank: int = 0) -> None:
+                 dp_rank: int = 0, sequence_chunks: int = 1) -> None:
         super().__init__()
         self.comm = comm
         self.router = router
@@ -107,6 +107,9 @@ class AscendMoECommPrepareFinalize(mk.FusedMoEPrepareAndFinalizeMonolithic):
         # The TP ranks of this DP rank (None: every EP rank holds the whole batch).
         self.token_group = token_group
         self.dp_rank = dp_rank
+        # vLLM's sequence-parallel MoE: each DP rank's tokens come as this many equal
+        # (zero-padded) chunks, one per TP rank; 1 otherwise.
+        self.sequence_chunks = sequence_chunks
         self.pending: DispatchedTokens | None = None
         # {method: {num_tokens: batches}}: which path each batch size took.
         self.batches: dict[str, dict[int, int]] = {method: {} for method in MOE_COMM_METHODS}
@@ -159,10 +162,13 @@ class AscendMoECommPrepareFinalize(mk.FusedMoEPrepareAndFinalizeMonolithic):
                                f"rank's token count); run the model inside the model "
                                f"runner's forward context.")
         counts = [int(n) for n in metadata.num_tokens_across_dp_cpu.tolist()]
-        if counts[self.dp_rank] != num_tokens:
+        chunks = self.sequence_chunks
+        if chunks > 1:  # every TP rank's chunk: ceil(tokens / TP), in EP rank order
+            counts = [-(-n // chunks) for n in counts for _ in range(chunks)]
+        if counts[self.dp_rank * chunks] != num_tokens:
             raise RuntimeError(f"MoE layer {self.layer_name!r}: DP rank {self.dp_rank} has "
-                               f"{num_tokens} tokens but the data-parallel metadata says "
-                               f"{counts}.")
+                               f"{num_tokens} tokens here but the data-parallel metadata "
+                               f"says {counts}.")
         return counts
 
     def finalize(self, fused_expert_output: torch.Tensor) -> torch.Tensor:
@@ -206,8 +212,10 @@ class AscendDispatchedExperts(mk.FusedMoEExpertsMonolithic):
 
     @staticmethod
     def _supports_parallel_config(moe_parallel_config) -> bool:
+        # Sequence-parallel MoE only as vLLM makes it: data parallel over TP ranks.
         return (moe_parallel_config.use_ep and moe_parallel_config.pcp_size == 1
-                and not moe_parallel_config.is_sequence_parallel)
+                and (not moe_parallel_config.is_sequence_parallel
+                     or moe_parallel_config.dp_size > 1))
 
     @staticmethod
     def _supports_routing_method(routing_method, weight_key, activation_key) -> bool:
@@ -270,17 +278,23 @@ def make_moe_comm_kernel(layer, moe_config, quant_config,
                         "exchange only through MC2, which cannot serve it (%s); vLLM's MoE "
                         "path serves this layer.", layer.layer_name, why)
             return None
-    token_group = None
+    token_group, tp_size = None, parallel.ep_size
     if parallel.dp_size > 1:
         token_group = _tp_token_group(layer.layer_name, parallel)
+        tp_size = token_group.size
+        if parallel.is_sequence_parallel:
+            # vLLM's sequence-parallel MoE (DP > 1 and TP > 1): the model hands each TP rank
+            # its own chunk of the DP rank's tokens, so every rank's tokens are its own.
+            token_group = TokenGroup(None, 0, 1)
     logger.info_once("npu MoE: expert-parallel token exchange chosen per batch over %d EP "
-                     "ranks (DP %d x TP %d); MC2: %s", parallel.ep_size, parallel.dp_size,
-                     token_group.size if token_group else parallel.ep_size,
-                     comm.mc2_why_not(moe_config.hidden_dim, moe_config.in_dtype,
-                                      layer.top_k) or "serves batches of up to "
-                     f"{MC2_MAX_TOKENS_PER_RANK} tokens per rank")
-    prepare_finalize = AscendMoECommPrepareFinalize(comm, router, layer.layer_name,
-                                                    token_group, parallel.dp_rank)
+                     "ranks (DP %d x TP %d%s); MC2: %s", parallel.ep_size, parallel.dp_size,
+                     tp_size, ", sequence-parallel chunks" if parallel.is_sequence_parallel
+                     else "", comm.mc2_why_not(moe_config.hidden_dim, moe_config.in_dtype,
+                                               layer.top_k)
+                     or f"serves batches of up to {MC2_MAX_TOKENS_PER_RANK} tokens per rank")
+    prepare_finalize = AscendMoECommPrepareFinalize(
+        comm, router, layer.layer_name, token_group, parallel.dp_rank,
+        tp_size if parallel.is_sequence_parallel else 1)
     experts = AscendDispatchedExperts(moe_config, quant_config, prepare_finalize)
     return mk.FusedMoEKernel(prepare_finalize, experts)
 
