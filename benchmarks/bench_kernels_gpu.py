@@ -19,6 +19,11 @@ l2norm, dynamic_per_token_quant, add_rms_norm_quant) at tokens {1, 64, 4096, 327
 4. writes ``kernels_gpu.json`` and ``kernels_gpu.md`` (with the GPU's name and the torch and
    Triton versions) into ``--out`` (default ``benchmarks/results``).
 
+gated_delta_rule (Qwen3-Next's gated delta-net attention) runs decode batches of ``tokens``
+sequences, one token each, 16 query / key heads and ``hidden / 128`` value heads of 128, its
+float32 state cache read and written in place; its stored run is
+``benchmarks/results/kernels_gpu_gdn.*`` (``--ops gated_delta_rule --tokens 1,64,256,1024``).
+
 mrope (multimodal RoPE, Qwen2.5-VL's T / H / W sections 16 / 24 / 24 of 128-wide heads, the
 heads of rotary_embedding, ``[3, tokens]`` positions) has its stored run in
 ``benchmarks/results/kernels_gpu_mrope.*`` (``--ops mrope --out DIR``, the files renamed).
@@ -72,7 +77,8 @@ QUICK_HIDDEN = (4096,)
 DRY_TOKENS = (1, 3)
 DRY_HIDDEN = (64, 96)
 OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "l2norm",
-       "dynamic_per_token_quant", "add_rms_norm_quant", "lora_shrink", "lora_expand", "mrope")
+       "dynamic_per_token_quant", "add_rms_norm_quant", "lora_shrink", "lora_expand", "mrope",
+       "gated_delta_rule")
 EPS = 1e-6
 # Goals of issue 6: at LARGE_TOKENS and more, at least as fast as torch.compile and this
 # fraction of copy bandwidth; at SMALL_TOKENS and fewer, no slower than eager.
@@ -172,7 +178,7 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
     import torch
 
     import ascend_kernels as ak
-    from ascend_kernels import activation, lora, norm, quant, rope
+    from ascend_kernels import activation, gdn, lora, norm, quant, rope
 
     torch.manual_seed(tokens * 31 + hidden)
     elem = dtype.itemsize
@@ -199,6 +205,15 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
             positions = torch.randint(0, max_position, (3, tokens), device=device)
             return (positions, randn(tokens, heads_q * head_size),
                     randn(tokens, heads_k * head_size), cache, head_size, mrope_section, True)
+        if op == "gated_delta_rule":  # a decode batch: one token per sequence
+            state = torch.randn(tokens, gdn_heads[1], gdn_dim, gdn_dim, device=device) * 0.1
+            slots = torch.arange(tokens, device=device, dtype=torch.int32)
+            return (randn(tokens, gdn_heads[0], gdn_dim), randn(tokens, gdn_heads[0], gdn_dim),
+                    randn(tokens, gdn_heads[1], gdn_dim),
+                    torch.nn.functional.logsigmoid(randn(tokens, gdn_heads[1])),
+                    torch.sigmoid(randn(tokens, gdn_heads[1])), state,
+                    torch.arange(tokens + 1, device=device, dtype=torch.int32), slots, None,
+                    True)
         if op == "l2norm":
             return (randn(tokens, hidden), EPS)
         if op == "dynamic_per_token_quant":
@@ -212,6 +227,10 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
                     token_lora, 0, True)
         raise ValueError(f"unknown op {op!r}")
 
+    # Gated delta-net (Qwen3-Next: 16 query / key heads, 32 value heads of 128 at hidden
+    # 4096; twice the value heads at 8192; small heads in the dry run).
+    gdn_dim = 128 if hidden >= 1024 else 16
+    gdn_heads = (16, hidden // 128) if hidden >= 1024 else (2, 4)
     # Qwen2.5-VL's T / H / W pairs for 128-wide heads (scaled down for the dry-run heads).
     mrope_section = (16, 24, 24) if head_size == 128 else (2, 3, 3)
     token_lora = torch.arange(tokens, device=device) % (LORA_SLOTS + 1) - 1
@@ -237,6 +256,12 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
                   # q and k read and written, three positions and a cos/sin row per token
                   2 * tokens * (heads_q + heads_k) * head_size * elem
                   + tokens * (head_size * elem + 3 * 8), _all(float_close)),
+        "gated_delta_rule": (lambda a: ak.gated_delta_rule(*a, backend="triton"),
+                             gdn.gated_delta_rule_decode_reference,
+                             # the float32 states read and written; q, k, v, out, g, beta
+                             tokens * gdn_heads[1] * gdn_dim * gdn_dim * 4 * 2
+                             + tokens * (2 * gdn_heads[0] + 2 * gdn_heads[1]) * gdn_dim * elem
+                             + tokens * gdn_heads[1] * 2 * elem, float_close),
         "l2norm": (lambda a: ak.l2norm(*a, backend="triton"), norm.l2norm_reference,
                    2 * rows * elem, float_close),
         "dynamic_per_token_quant": (lambda a: ak.dynamic_per_token_quant(*a, backend="triton"),

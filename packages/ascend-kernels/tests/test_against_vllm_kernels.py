@@ -77,3 +77,45 @@ def test_mrope_equals_vllm_mrotary_embedding_forward_native(backend, section, in
                          neox, interleaved, backend=backend)
     torch.testing.assert_close(got_q, want_q.reshape(query.shape), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_k, want_k.reshape(key.shape), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_gated_delta_rule_equals_vllms_cpu_kernel(l2norm):
+    """vLLM's CPU gated delta-net op (what its Qwen3-Next prefill runs on the host; it takes
+    bfloat16 q / k / v and beta, float32 g, heads of 128, and holds a state as [K, V] where
+    ours is [V, K], vLLM's GPU layout) against ascend-kernels' reference: grouped value
+    heads, three sequences, state slots in place."""
+    from vllm import _custom_ops as ops
+
+    from ascend_kernels import gated_delta_rule
+
+    generator = torch.Generator().manual_seed(7)
+    lengths, heads, value_heads, key_dim, value_dim = [5, 1, 3], 2, 4, 128, 128
+    tokens = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    # Unit-length keys without the norm too (else |k|^2 ~ 128 and the rule amplifies
+    # bfloat16 rounding).
+    q = (randn(tokens, heads, key_dim) / key_dim ** 0.5).bfloat16()
+    k = (randn(tokens, heads, key_dim) / key_dim ** 0.5).bfloat16()
+    v = randn(tokens, value_heads, value_dim).bfloat16()
+    g = torch.nn.functional.logsigmoid(randn(tokens, value_heads))
+    beta = torch.sigmoid(randn(tokens, value_heads)).bfloat16()
+    state = randn(4, value_heads, value_dim, key_dim)
+    cu = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
+    slots = torch.tensor([3, 0, 2], dtype=torch.int32)
+    theirs_state = state.transpose(-1, -2).contiguous()
+    theirs, _ = ops.chunk_gated_delta_rule_cpu(
+        query=q[None], key=k[None], value=v[None], g=g[None], beta=beta[None],
+        initial_state=theirs_state, output_final_state=True, cu_seqlens=cu,
+        head_first=False, use_qk_l2norm_in_kernel=l2norm, initial_state_indices=slots)
+    ours_state = state.clone()
+    ours = gated_delta_rule(q, k, v, g, beta, ours_state, cu, slots, use_qk_l2norm=l2norm,
+                            eps=1e-5, backend="reference")
+    theirs = theirs.reshape(ours.shape).float()
+    torch.testing.assert_close(ours.float(), theirs, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ours_state, theirs_state.transpose(-1, -2), atol=1e-2,
+                               rtol=1e-2)
+    assert torch.equal(ours_state[1], state[1])  # slot 1 is no sequence's: untouched

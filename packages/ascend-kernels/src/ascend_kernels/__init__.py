@@ -8,14 +8,16 @@ Modules: ``norm`` (rms_norm, add_rms_norm, l2norm), ``activation``
 (silu_and_mul), ``rope`` (rotary_embedding, mrope, rope_launch_config), ``quant``
 (dynamic_per_token_quant, add_rms_norm_quant, scaled_int8_mm), ``routing``
 (topk_softmax, grouped_topk), ``sampling`` (apply_top_k_top_p, apply_penalties) and
-``rejection`` (the rejection-sampling kernels of speculative decoding) and ``lora``
-(lora_shrink, lora_expand: multi-LoRA batches); their Triton
+``rejection`` (the rejection-sampling kernels of speculative decoding), ``lora``
+(lora_shrink, lora_expand: multi-LoRA batches) and ``gdn`` (gated_delta_rule: the linear
+attention of gated delta-net layers); their Triton
 kernels live in ``triton_kernels`` and their torch_npu calls in ``npu_ops``.
 """
 
 from ascend_kernels.__about__ import __version__
 from ascend_kernels.activation import silu_and_mul
 from ascend_kernels.dispatch import BACKENDS, BackendUnavailable, resolve_backend
+from ascend_kernels.gdn import gated_delta_rule
 from ascend_kernels.lora import lora_expand, lora_shrink
 from ascend_kernels.moe import moe_experts
 from ascend_kernels.norm import add_rms_norm, l2norm, rms_norm
@@ -44,6 +46,7 @@ __all__ = [
     "apply_top_k_top_p",
     "dynamic_per_token_quant",
     "generate_recovery_noise",
+    "gated_delta_rule",
     "generate_uniform_probs",
     "grouped_topk",
     "l2norm",

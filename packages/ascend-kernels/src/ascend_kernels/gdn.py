@@ -1,0 +1,142 @@
+"""Gated delta rule (the linear attention of Qwen3-Next / Qwen3.5's gated delta-net layers),
+token by token over variable-length sequences, with a state cache.
+
+For each sequence and value head a state ``S`` ``[V, K]`` (float32) evolves over the
+sequence's tokens ``t``:
+
+    q_t, k_t = l2norm(q_t), l2norm(k_t)          (with ``use_qk_l2norm``; ``x / sqrt(|x|^2 + eps)``)
+    S   = S * exp(g_t)                           (``g``: log of the decay)
+    u   = (v_t - S k_t) * beta_t                 (the delta rule's correction)
+    S   = S + u k_t^T
+    o_t = S (q_t * scale)
+
+``q`` / ``k`` have ``H`` heads and ``v`` ``HV`` (a multiple of ``H``): value head ``hv`` reads
+query / key head ``hv // (HV / H)``. The states live in a cache ``[slots, HV, V, K]`` (vLLM's
+layout); sequence ``n`` starts from slot ``state_indices[n]`` and leaves its final state there
+(in place). What vLLM's recurrent kernel computes for decode and, one token at a time, for
+prefill (its chunked form for long prefills computes the same values in another order).
+
+Backends: the reference (float32, vectorised over heads); Triton (one program per sequence,
+value head and block of V, the state block in registers across the sequence's tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ascend_kernels.dispatch import REFERENCE, TRITON, require_float, resolve_backend
+
+DEFAULT_EPS = 1e-6
+
+
+def _check(q, k, v, g, beta, state, cu_seqlens, state_indices) -> tuple[int, int, int]:
+    op = "gated_delta_rule"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        require_float(op, name, x)
+        if x.dim() != 3:
+            raise ValueError(f"{op}: {name} must be [tokens, heads, head_dim], got "
+                             f"{tuple(x.shape)}")
+    tokens, heads, key_dim = q.shape
+    value_heads = v.shape[1]
+    if k.shape != q.shape or v.shape[0] != tokens:
+        raise ValueError(f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)} and v "
+                         f"{tuple(v.shape)} must share the token count, q and k their shape")
+    if value_heads % heads:
+        raise ValueError(f"{op}: v's {value_heads} heads must be a multiple of q's {heads}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (tokens, value_heads):
+            raise ValueError(f"{op}: {name} must be [tokens={tokens}, value heads="
+                             f"{value_heads}], got {tuple(x.shape)}")
+    if state.dim() != 4 or state.shape[1:] != (value_heads, v.shape[2], key_dim) or (
+            state.dtype != torch.float32):
+        raise ValueError(f"{op}: state must be float32 [slots, {value_heads}, {v.shape[2]}, "
+                         f"{key_dim}], got {state.dtype} {tuple(state.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(f"{op}: cu_seqlens must be a 1-D integer tensor [sequences + 1], got "
+                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    sequences = cu_seqlens.numel() - 1
+    if state_indices is not None and (state_indices.shape != (sequences,)
+                                      or state_indices.dtype.is_floating_point):
+        raise ValueError(f"{op}: state_indices must be [{sequences}] integers (one state slot "
+                         f"per sequence), got {tuple(state_indices.shape)}")
+    return sequences, heads, value_heads
+
+
+def gated_delta_rule_reference(q, k, v, g, beta, state, cu_seqlens, state_indices=None,
+                               scale=None, use_qk_l2norm=False, eps=DEFAULT_EPS):
+    """The output ``[tokens, HV, V]`` (``v``'s dtype); ``state`` updated in place. Float32;
+    the sequences step together (step ``j`` takes the ``j``-th token of every sequence that
+    long), so a decode batch is one vectorised step."""
+    sequences, heads, value_heads = _check(q, k, v, g, beta, state, cu_seqlens, state_indices)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = value_heads // heads
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    if sequences == 0:
+        return out.to(v.dtype)
+    cu = cu_seqlens.long()
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    slots = (torch.arange(sequences, device=state.device) if state_indices is None
+             else state_indices.long())
+    s = state[slots]  # [N, HV, V, K], a copy
+    for step in range(int(lengths.max())):
+        active = lengths > step
+        t = (starts + step)[active]
+        s[active], out[t] = _step(s[active], q[t], k[t], v[t], g[t], beta[t], group, scale,
+                                  use_qk_l2norm, eps)
+    state[slots] = s
+    return out.to(v.dtype)
+
+
+def _step(s, q, k, v, g, beta, group, scale, use_qk_l2norm, eps):
+    """One token of ``n`` sequences: states ``[n, HV, V, K]`` and their rows of ``q`` / ``k``
+    ``[n, H, K]``, ``v`` ``[n, HV, V]``, ``g`` / ``beta`` ``[n, HV]`` -> (new states, float32
+    outputs ``[n, HV, V]``)."""
+    q = q.float().repeat_interleave(group, dim=1)  # [n, HV, K]
+    k = k.float().repeat_interleave(group, dim=1)
+    if use_qk_l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + eps)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + eps)
+    s = s * torch.exp(g.float())[..., None, None]
+    u = (v.float() - (s * k[:, :, None, :]).sum(-1)) * beta.float()[..., None]
+    s = s + u[..., None] * k[:, :, None, :]
+    return s, (s * (q * scale)[:, :, None, :]).sum(-1)
+
+
+def gated_delta_rule_decode_reference(q, k, v, g, beta, state, cu_seqlens, state_indices,
+                                      scale=None, use_qk_l2norm=False, eps=DEFAULT_EPS):
+    """The reference for a decode batch (sequence ``n`` is token ``n``), without host
+    synchronisation (CUDA-graph capturable); ``cu_seqlens`` is not read."""
+    group = v.shape[1] // q.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    slots = state_indices.long()
+    s, out = _step(state[slots], q, k, v, g, beta, group, scale, use_qk_l2norm, eps)
+    state[slots] = s
+    return out.to(v.dtype)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
+                     state_indices: torch.Tensor | None = None, scale: float | None = None,
+                     use_qk_l2norm: bool = False, eps: float = DEFAULT_EPS, *,
+                     backend: str | None = None) -> torch.Tensor:
+    """Run the gated delta rule over each sequence of ``cu_seqlens`` (see the module
+    docstring): ``q`` / ``k`` ``[tokens, H, K]``, ``v`` ``[tokens, HV, V]``, ``g`` / ``beta``
+    ``[tokens, HV]``, ``state`` float32 ``[slots, HV, V, K]`` read and written at
+    ``state_indices`` (default: slot ``n`` for sequence ``n``). Returns ``[tokens, HV, V]`` in
+    ``v``'s dtype; ``scale`` defaults to ``K ** -0.5``."""
+    chosen = resolve_backend("gated_delta_rule", v, (REFERENCE, TRITON), backend)
+    if chosen == REFERENCE:
+        return gated_delta_rule_reference(q, k, v, g, beta, state, cu_seqlens, state_indices,
+                                          scale, use_qk_l2norm, eps)
+    sequences, _, _ = _check(q, k, v, g, beta, state, cu_seqlens, state_indices)
+    from ascend_kernels.triton_kernels import gdn as triton_gdn
+
+    if state_indices is None:
+        state_indices = torch.arange(sequences, device=v.device)
+    out = torch.empty_like(v)
+    triton_gdn.gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(),
+                                g.contiguous(), beta.contiguous(), state,
+                                cu_seqlens.contiguous(), state_indices.contiguous(), out,
+                                q.shape[-1] ** -0.5 if scale is None else scale,
+                                use_qk_l2norm, eps)
+    return out

@@ -1,0 +1,107 @@
+"""gated_delta_rule: the reference against the rule written out per head, the Triton backend
+(in Triton's interpreter) against the reference; variable-length sequences, grouped value
+heads, state slots read and written in place."""
+
+import pytest
+import torch
+
+from ascend_kernels import gated_delta_rule
+from ascend_kernels.gdn import gated_delta_rule_reference
+
+from conftest import DTYPES, assert_close, needs_triton
+
+
+def _inputs(lengths, heads=2, value_heads=4, key_dim=8, value_dim=6, slots=5,
+            dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    q = randn(tokens, heads, key_dim).to(dtype)
+    k = randn(tokens, heads, key_dim).to(dtype)
+    v = randn(tokens, value_heads, value_dim).to(dtype)
+    g = torch.nn.functional.logsigmoid(randn(tokens, value_heads)).to(dtype)
+    beta = torch.sigmoid(randn(tokens, value_heads)).to(dtype)
+    state = randn(slots, value_heads, value_dim, key_dim) * 0.1
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, g, beta, state, cu
+
+
+def _by_hand(q, k, v, g, beta, state, cu, slots, scale, l2norm, eps=1e-6):
+    """One sequence, one value head, one token at a time, in float64."""
+    state = state.double().clone()
+    out = torch.zeros(v.shape, dtype=torch.float64)
+    group = v.shape[1] // q.shape[1]
+    for n in range(cu.numel() - 1):
+        for hv in range(v.shape[1]):
+            s = state[slots[n], hv]
+            for t in range(int(cu[n]), int(cu[n + 1])):
+                qt, kt = q[t, hv // group].double(), k[t, hv // group].double()
+                if l2norm:
+                    qt, kt = qt / (qt @ qt + eps).sqrt(), kt / (kt @ kt + eps).sqrt()
+                s = s * float(g[t, hv].double().exp())
+                u = (v[t, hv].double() - s @ kt) * float(beta[t, hv])
+                s = s + torch.outer(u, kt)
+                out[t, hv] = s @ (qt * scale)
+            state[slots[n], hv] = s
+    return out, state
+
+
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_reference_is_the_rule_written_out(l2norm):
+    q, k, v, g, beta, state, cu = _inputs([3, 1, 4])
+    slots = torch.tensor([4, 0, 2])
+    want_out, want_state = _by_hand(q, k, v, g, beta, state, cu, slots.tolist(), 0.5, l2norm)
+    got_state = state.clone()
+    out = gated_delta_rule_reference(q, k, v, g, beta, got_state, cu, slots, 0.5, l2norm)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state.double(), want_state, atol=1e-5, rtol=1e-5)
+    # Slots no sequence names are left alone.
+    assert torch.equal(got_state[[1, 3]], state[[1, 3]])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("l2norm", [False, True])
+@pytest.mark.parametrize(("lengths", "value_dim"), [([1, 1, 1], 6), ([5, 0, 2], 6),
+                                                     ([3], 300)])
+def test_triton_matches_reference(dtype, l2norm, lengths, value_dim):
+    q, k, v, g, beta, state, cu = _inputs(lengths, value_dim=value_dim, dtype=dtype,
+                                          seed=len(lengths))
+    slots = torch.arange(len(lengths)).flip(0)
+    ref_state, tri_state = state.clone(), state.clone()
+    ref = gated_delta_rule(q, k, v, g, beta, ref_state, cu, slots, use_qk_l2norm=l2norm,
+                           backend="reference")
+    out = gated_delta_rule(q, k, v, g, beta, tri_state, cu, slots, use_qk_l2norm=l2norm,
+                           backend="triton")
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, scale=2)
+    torch.testing.assert_close(tri_state, ref_state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"v": torch.zeros(4, 3, 6)}, "multiple of q's 2"),
+    ({"g": torch.zeros(4, 2)}, r"g must be \[tokens=4, value heads=4\]"),
+    ({"state": torch.zeros(5, 4, 6, 8, dtype=torch.bfloat16)}, "state must be float32"),
+    ({"state_indices": torch.tensor([0, 1])}, r"state_indices must be \[1\]"),
+])
+def test_bad_inputs_are_named(change, match):
+    q, k, v, g, beta, state, cu = _inputs([4])
+    args = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state, "cu_seqlens": cu,
+            **change}
+    with pytest.raises(ValueError, match=match):
+        gated_delta_rule(**args)
+
+
+def test_decode_reference_equals_the_general_one():
+    from ascend_kernels.gdn import gated_delta_rule_decode_reference
+
+    q, k, v, g, beta, state, cu = _inputs([1, 1, 1, 1])
+    slots = torch.tensor([3, 1, 4, 0])
+    general, decode = state.clone(), state.clone()
+    want = gated_delta_rule_reference(q, k, v, g, beta, general, cu, slots, None, True)
+    got = gated_delta_rule_decode_reference(q, k, v, g, beta, decode, cu, slots, None, True)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(decode, general)
