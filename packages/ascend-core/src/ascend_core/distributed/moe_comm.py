@@ -618,6 +618,8 @@ class MoECommunication:
         self.all_to_all = AllToAllMoEComm(group, placement, validate=validate)
         self.mc2 = (MC2MoEComm(group, placement, mc2_comm_name, validate=validate)
                     if mc2_comm_name is not None else None)
+        # mc2_why_not per layer shape: asked on every batch, fixed for a layer.
+        self._mc2_why_not: dict[tuple[int, torch.dtype, int], str | None] = {}
         self.world_size = self.all_gather.world_size
         self.rank = self.all_gather.rank
         self.group = group
@@ -626,9 +628,12 @@ class MoECommunication:
 
     def mc2_why_not(self, hidden_size: int, dtype: torch.dtype, top_k: int) -> str | None:
         """Why MC2 cannot serve a layer of this shape here (None when it can)."""
-        if self.mc2 is None:
-            return "no MC2 communicator (not the npu target's EP group)"
-        return self.mc2.why_not(hidden_size, dtype, top_k)
+        key = (hidden_size, dtype, top_k)
+        if key not in self._mc2_why_not:
+            self._mc2_why_not[key] = (
+                "no MC2 communicator (not the npu target's EP group)" if self.mc2 is None
+                else self.mc2.why_not(hidden_size, dtype, top_k))
+        return self._mc2_why_not[key]
 
     def select(self, max_tokens: int, top_k: int,
                hidden_states: torch.Tensor | None = None,
