@@ -56,9 +56,8 @@ def _spec(kv_heads, head_size, dtype, block_size=BLOCK_SIZE):
     return AscendAttentionBackend.customize_spec(spec)
 
 
-def _allocate_cache(spec, num_blocks=NUM_BLOCKS):
+def _allocate_cache(spec, num_blocks=NUM_BLOCKS, layout=KVCacheLayout.LHBNC):
     """One layer's cache as vLLM's generic allocation lays it out for the backend."""
-    (layout,) = AscendAttentionBackend.supported_kv_cache_layouts()
     layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, 1, layout)
     size = spec.page_size_bytes * num_blocks
     tensor = KVCacheTensor(size=size, layers=["layer.0"], layer_stride=layer_stride,
@@ -72,8 +71,10 @@ class Batch:
     """Requests with ``context`` cached tokens and ``query`` new ones each, their keys and
     values, a shuffled block table and the metadata vLLM would hand the builder."""
 
-    def __init__(self, query_lens, context_lens, heads, kv_heads, head_size, dtype, seed):
+    def __init__(self, query_lens, context_lens, heads, kv_heads, head_size, dtype, seed,
+                 block_size=BLOCK_SIZE):
         gen = torch.Generator().manual_seed(seed)
+        self.block_size = block_size
         self.query_lens, self.context_lens = query_lens, context_lens
         self.seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
         self.heads, self.kv_heads, self.head_size, self.dtype = heads, kv_heads, head_size, dtype
@@ -84,7 +85,7 @@ class Batch:
         self.keys = [randn(n, kv_heads, head_size) for n in self.seq_lens]
         self.values = [randn(n, kv_heads, head_size) for n in self.seq_lens]
         self.query = randn(sum(query_lens), heads, head_size)
-        counts = [math.ceil(n / BLOCK_SIZE) for n in self.seq_lens]
+        counts = [math.ceil(n / block_size) for n in self.seq_lens]
         order = torch.randperm(NUM_BLOCKS, generator=gen)
         # One column more than needed, as vLLM's table is max_num_blocks_per_req wide.
         self.block_table = torch.zeros(len(query_lens), max(counts) + 1, dtype=torch.int32)
@@ -95,7 +96,8 @@ class Batch:
 
     def slots(self, req, positions):
         table = self.block_table[req]
-        return [int(table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+        size = self.block_size
+        return [int(table[p // size]) * size + p % size for p in positions]
 
     def new_tokens(self):
         """This step's (keys, values, slot_mapping) in request order."""
@@ -148,13 +150,19 @@ class Batch:
         return torch.cat(outputs)
 
 
-def _run(batch, kv_cache=None):
-    spec = _spec(batch.kv_heads, batch.head_size, batch.dtype)
-    kv_cache = _allocate_cache(spec) if kv_cache is None else kv_cache
+def _config(layout=None) -> VllmConfig:
+    config = VllmConfig()
+    config.cache_config.kv_cache_layout = None if layout is None else layout.name
+    return config
+
+
+def _run(batch, kv_cache=None, layout=KVCacheLayout.LHBNC):
+    spec = _spec(batch.kv_heads, batch.head_size, batch.dtype, batch.block_size)
+    kv_cache = _allocate_cache(spec, layout=layout) if kv_cache is None else kv_cache
     scale = batch.head_size ** -0.5
     impl = AscendAttentionImpl(batch.heads, batch.head_size, scale, batch.kv_heads,
                                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
-    builder = AscendAttentionMetadataBuilder(spec, ["layer.0"], VllmConfig(),
+    builder = AscendAttentionMetadataBuilder(spec, ["layer.0"], _config(layout),
                                              torch.device("cpu"))
     if sum(batch.context_lens):   # what earlier steps left in the cache
         context_key, context_value, context_slots = batch.context_tokens()
@@ -213,6 +221,23 @@ def test_speculative_verification_of_k_plus_one_tokens(torch_npu, drafts):
     _check(batch, output, scale)
 
 
+@pytest.mark.parametrize(("layout", "block_size", "kernel_rows"), [
+    (KVCacheLayout.LBHNC, 128, 1),    # block-compact, as hybrid models need: rows 2b
+    (KVCacheLayout.LBHNC, 640, 5),    # a hybrid model's large block: 5 rows of 128 each
+    (KVCacheLayout.LHBNC, 1024, 2),   # a large block in the default layout: 2 rows of 512
+])
+def test_blocks_read_as_rows_of_the_ops_block_size(torch_npu, layout, block_size,
+                                                   kernel_rows):
+    batch = Batch([1, 90, 3, 1], [40, 300, 0, 500], heads=4, kv_heads=2, head_size=32,
+                  dtype=torch.float16, seed=10, block_size=block_size)
+    output, metadata, scale = _run(batch, layout=layout)
+    tiling = metadata.tiling
+    assert (tiling.row_stride, tiling.rows_per_block) == (
+        kernel_rows * (2 if layout == KVCacheLayout.LBHNC else 1), kernel_rows)
+    assert metadata.block_table.shape[1] == batch.block_table.shape[1] * kernel_rows
+    _check(batch, output, scale)
+
+
 def test_output_rows_past_the_batch_are_left_alone(torch_npu):
     batch = Batch([2, 1], [3, 0], heads=2, kv_heads=2, head_size=16, dtype=torch.float16,
                   seed=7)
@@ -237,7 +262,8 @@ def test_output_rows_past_the_batch_are_left_alone(torch_npu):
 
 
 def test_cache_halves_from_vllm_allocation_are_the_ops_layouts(torch_npu):
-    assert AscendAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LHBNC,)
+    assert AscendAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LHBNC,
+                                                                   KVCacheLayout.LBHNC)
     spec = _spec(2, 32, torch.float16)
     assert spec.num_head_slots == 2 and spec.page_size_bytes == 2 * BLOCK_SIZE * 2 * 32 * 2
     kv_cache = _allocate_cache(spec)
@@ -300,7 +326,7 @@ def test_impl_rejects_what_it_cannot_compute(kwargs, error, match):
 
 
 def test_builder_rejects_small_blocks_and_non_causal_batches(torch_npu):
-    with pytest.raises(ValueError, match="block size"):
+    with pytest.raises(ValueError, match="must be a multiple of 128; got 16"):
         AscendAttentionMetadataBuilder(_spec(2, 32, torch.float16, block_size=16),
                                        ["layer.0"], VllmConfig(), torch.device("cpu"))
     builder = AscendAttentionMetadataBuilder(_spec(2, 32, torch.float16), ["layer.0"],
@@ -315,9 +341,11 @@ def test_builder_rejects_small_blocks_and_non_causal_batches(torch_npu):
 
 def test_cache_not_in_the_backends_layout_is_refused(torch_npu):
     batch = Batch([1], [4], heads=2, kv_heads=2, head_size=32, dtype=torch.float16, seed=9)
-    block_interleaved = torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match="LHBNC"):
-        _run(batch, kv_cache=block_interleaved)
+    # LBNHC: each token's key and value side by side, no contiguous rows of keys.
+    token_interleaved = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 2, 64,
+                                    dtype=torch.float16).transpose(1, 2)
+    with pytest.raises(ValueError, match="not the LHBNC or LBHNC layout"):
+        _run(batch, kv_cache=token_interleaved)
 
 
 def test_padding_slot_is_refused_by_the_kv_write(torch_npu):

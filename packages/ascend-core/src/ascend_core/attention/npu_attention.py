@@ -23,12 +23,20 @@ The TND layout would avoid padding ragged queries, but torch_npu's page restrict
 MLA head shapes (D 192, or 512/128 with rope), so ragged batches are padded to BSND here
 and uniform ones (decode, speculative verification) are only viewed.
 
-KV cache: per layer two contiguous halves, keys then values, each ``(num_blocks,
-block_size, num_kv_heads * head_size)`` -- the ``(blocknum, blocksize, H)`` cache layout
-the fused op reads, and, viewed as ``[num_blocks, block_size, num_kv_heads, head_size]``,
-the ND cache the scatter writes. In vLLM's terms: two head slots of ``num_kv_heads *
-head_size`` each, in the ``LHBNC`` layout, so that vLLM's per-layer view is logical
-``[num_blocks, 2, block_size, num_kv_heads * head_size]`` with contiguous halves.
+KV cache: two head slots (keys, values) of ``num_kv_heads * head_size`` per token, so that
+vLLM's per-layer view is logical ``[num_blocks, 2, block_size, num_kv_heads * head_size]``.
+The ops read and write contiguous ``(rows, kernel_block_size, H)`` tensors -- the
+``(blocknum, blocksize, H)`` cache layout the fused op reads, and, viewed as ``[rows,
+kernel_block_size, num_kv_heads, head_size]``, the ND cache the scatter writes -- where a
+row is ``kernel_block_size`` tokens of keys (or values) and ``kernel_block_size`` is the
+largest block size the op takes (128 to 512 in steps of 128) that divides vLLM's block
+size. Two layouts are taken: ``LHBNC`` (the default: all blocks' keys, then all blocks'
+values; rows ``m * b + j`` for block ``b`` of ``m`` rows) and ``LBHNC`` (each block's keys
+then its values, ``2 * m * b + j``), the block-compact layout vLLM needs where attention
+pages share memory with other states (hybrid models: Qwen3-Next's gated delta-net states).
+In both the keys and the values are each one contiguous tensor whose rows are addressed
+through a block table in rows (``CacheTiling``), the values' starting ``m`` rows later in
+``LBHNC``; with ``m = 1`` in ``LHBNC`` that is vLLM's own block table.
 
 torch_npu is imported inside the functions that run on the device, so this module imports
 (and its metadata builds) without it.
@@ -49,14 +57,17 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
+    MultipleOf,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ascend_core.attention import ASCEND_ATTN_NAME
 
 # Page attention with more than one query token per request takes block sizes of 128 to
-# 512 in steps of 128 (torch_npu-npu_fused_infer_attention_score.md).
-SUPPORTED_BLOCK_SIZES = (128, 256, 384, 512)
+# 512 in steps of 128 (torch_npu-npu_fused_infer_attention_score.md); vLLM's blocks may be
+# any multiple of 128 tokens, read as several of the op's blocks (CacheTiling).
+KERNEL_BLOCK_SIZES = (128, 256, 384, 512)
+BLOCK_SIZE_BASE = 128
 # float16/bfloat16 inputs need head_dim aligned to 16, at most 512.
 SUPPORTED_HEAD_SIZES = tuple(range(16, 513, 16))
 MAX_HEADS = 256
@@ -76,6 +87,69 @@ def is_padded_uniform(query_lens: list[int], decode_query_len: int) -> bool:
     while active and query_lens[active - 1] == 0:
         active -= 1
     return active > 0 and set(query_lens[:active]) == {decode_query_len}
+
+
+def kernel_block_size(block_size: int) -> int:
+    """The op's block size for vLLM's blocks of ``block_size`` tokens: the largest it takes
+    that divides them."""
+    for size in sorted(KERNEL_BLOCK_SIZES, reverse=True):
+        if block_size % size == 0:
+            return size
+    raise ValueError(
+        f"The Ascend attention backend reads paged caches in blocks of "
+        f"{list(KERNEL_BLOCK_SIZES)} tokens, so vLLM's block size must be a multiple of "
+        f"{BLOCK_SIZE_BASE}; got {block_size}. Pass --block-size 128 (or a multiple).")
+
+
+@dataclass(frozen=True)
+class CacheTiling:
+    """How vLLM's blocks map onto the op's rows of ``kernel_block_size`` tokens: block ``b``
+    is rows ``row_stride * b + j`` (``j < rows_per_block``) of the key tensor and of the
+    value tensor."""
+
+    block_size: int
+    kernel_block_size: int
+    row_stride: int
+
+    @classmethod
+    def of(cls, block_size: int, layout: KVCacheLayout) -> CacheTiling:
+        kernel = kernel_block_size(block_size)
+        rows = block_size // kernel
+        if layout not in AscendAttentionBackend.supported_kv_cache_layouts():
+            raise ValueError(
+                f"KV cache layout {layout.name}; the Ascend attention backend takes "
+                f"{[m.name for m in AscendAttentionBackend.supported_kv_cache_layouts()]}.")
+        # LBHNC interleaves each block's keys and values: twice the rows per block.
+        return cls(block_size, kernel, rows * (2 if layout == KVCacheLayout.LBHNC else 1))
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.block_size // self.kernel_block_size
+
+    @property
+    def is_identity(self) -> bool:
+        return self.row_stride == 1
+
+    def kernel_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """vLLM's slots (``block * block_size + offset``) as the op's (``row * kernel_block
+        + offset``); elementwise, so graph-safe."""
+        if self.is_identity:
+            return slot_mapping
+        return (slot_mapping // self.block_size) * (self.row_stride * self.kernel_block_size) \
+            + slot_mapping % self.block_size
+
+    def kernel_block_table(self, block_table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """vLLM's block table ``[reqs, blocks]`` as rows ``[reqs, blocks * rows_per_block]``,
+        written into ``out`` (a persistent buffer, so a captured graph reads this step's)."""
+        if self.is_identity:
+            return block_table
+        reqs, blocks = block_table.shape
+        offsets = torch.arange(self.rows_per_block, dtype=block_table.dtype,
+                               device=block_table.device)
+        rows = block_table[:, :, None] * self.row_stride + offsets
+        table = out[:reqs, :blocks * self.rows_per_block]
+        table.copy_(rows.view(reqs, -1))
+        return table
 
 
 def _full_graphs_configured() -> bool:
@@ -105,8 +179,10 @@ class AscendAttentionBackend(AttentionBackend):
         return AscendAttentionMetadataBuilder
 
     @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
-        return list(SUPPORTED_BLOCK_SIZES)
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        # Any multiple of 128 tokens: the backend reads a block as rows of the op's sizes
+        # itself (CacheTiling), since vLLM cannot split blocks of two head slots.
+        return [MultipleOf(BLOCK_SIZE_BASE)]
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -134,8 +210,9 @@ class AscendAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Head slot outermost within a layer: all blocks of keys, then all of values.
-        return (KVCacheLayout.LHBNC,)
+        # Head slot outermost within a layer (all blocks of keys, then all of values) by
+        # default; block-compact LBHNC where other states share the pages (hybrid models).
+        return (KVCacheLayout.LHBNC, KVCacheLayout.LBHNC)
 
 
 @dataclass
@@ -157,6 +234,8 @@ class AscendAttentionMetadata:
     # A uniform decode batch under FULL decode graphs: the kind a graph captures (its
     # fused op in a task group, the lengths updated before each replay).
     graph_decode: bool = False
+    # How vLLM's blocks map onto the op's rows; block_table above is in those rows.
+    tiling: CacheTiling | None = None
 
 
 class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
@@ -178,12 +257,12 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if kv_cache_spec.block_size not in SUPPORTED_BLOCK_SIZES:
-            raise ValueError(
-                f"The Ascend attention backend reads paged caches of block size "
-                f"{list(SUPPORTED_BLOCK_SIZES)}, got {kv_cache_spec.block_size}; "
-                "pass --block-size 128."
-            )
+        layout_name = vllm_config.cache_config.kv_cache_layout
+        layout = (KVCacheLayout[layout_name] if layout_name is not None
+                  else AscendAttentionBackend.supported_kv_cache_layouts()[0])
+        self.tiling = CacheTiling.of(kv_cache_spec.block_size, layout)
+        self._max_reqs = vllm_config.scheduler_config.max_num_seqs
+        self._kernel_block_table: torch.Tensor | None = None  # made at the first build
         self._causal_mask: torch.Tensor | None = None
         mode = vllm_config.compilation_config.cudagraph_mode
         self._full_graphs = mode is not None and mode.has_full_cudagraphs()
@@ -197,6 +276,18 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
             ones = torch.ones(side, side, dtype=torch.int8, device=self.device)
             self._causal_mask = torch.triu(ones, diagonal=1)
         return self._causal_mask
+
+    def _block_table(self, block_table: torch.Tensor) -> torch.Tensor:
+        """The table the op reads: vLLM's, or its rows of the op's blocks (CacheTiling) in
+        a buffer kept across steps (vLLM's table is as wide every step)."""
+        if self.tiling.is_identity:
+            return block_table
+        reqs, columns = block_table.shape
+        rows = max(reqs, self._max_reqs), columns * self.tiling.rows_per_block
+        buffer = self._kernel_block_table
+        if buffer is None or buffer.shape[0] < rows[0] or buffer.shape[1] < rows[1]:
+            buffer = self._kernel_block_table = block_table.new_zeros(rows)
+        return self.tiling.kernel_block_table(block_table, buffer)
 
     def build(
         self,
@@ -249,12 +340,13 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
             max_query_len=max_query_len,
             query_lens=query_lens,
             seq_lens=seq_lens,
-            block_table=meta.block_table_tensor[:num_reqs],
+            block_table=self._block_table(meta.block_table_tensor[:num_reqs]),
             slot_mapping=meta.slot_mapping[:num_tokens],
             padded_rows=padded_rows,
             attn_mask=None if incremental else self._compressed_causal_mask(),
             sparse_mode=SPARSE_MODE_NO_MASK if incremental else SPARSE_MODE_RIGHT_DOWN_CAUSAL,
             graph_decode=graph_decode,
+            tiling=self.tiling,
         )
 
 
@@ -324,24 +416,39 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         # Under FULL decode graphs the slot mapping is vLLM's padded one, -1 for padding.
         self.pad_slots_to_null_block = _full_graphs_configured()
 
-    def _split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value halves, each ``(num_blocks, block_size, num_kv_heads * D)``."""
-        if kv_cache.dim() != 4 or kv_cache.shape[1] != 2 or (
-            kv_cache.shape[3] != self.num_kv_heads * self.head_size
-        ):
+    def _split_cache(
+        self, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, CacheTiling]:
+        """Keys and values, each one contiguous ``(rows, kernel_block_size, num_kv_heads *
+        D)`` tensor over the layer's cache, and how vLLM's blocks map onto their rows."""
+        hidden = self.num_kv_heads * self.head_size
+        if kv_cache.dim() != 4 or kv_cache.shape[1] != 2 or kv_cache.shape[3] != hidden:
             raise ValueError(
                 f"KV cache of shape {tuple(kv_cache.shape)}; the Ascend backend expects "
-                f"[num_blocks, 2, block_size, {self.num_kv_heads * self.head_size}] "
+                f"[num_blocks, 2, block_size, {hidden}] "
                 "(AscendAttentionBackend.customize_spec's two head slots)."
             )
-        key_cache, value_cache = kv_cache.unbind(1)
-        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        num_blocks, _, block_size, _ = kv_cache.shape
+        kernel = kernel_block_size(block_size)
+        row = kernel * hidden
+        block_stride, slot_stride, token_stride, _ = kv_cache.stride()
+        layouts = {block_size * hidden: KVCacheLayout.LHBNC,
+                   2 * block_size * hidden: KVCacheLayout.LBHNC}
+        layout = layouts.get(block_stride) if (token_stride, kv_cache.stride(3)) == (
+            hidden, 1) else None
+        if layout is None or (layout == KVCacheLayout.LBHNC) != (
+                slot_stride == block_size * hidden):
             raise ValueError(
-                "The KV cache's key and value halves are not contiguous; torch_npu's ops "
-                "need them so. Allocate it in the LHBNC layout "
-                "(AscendAttentionBackend.supported_kv_cache_layouts)."
-            )
-        return key_cache, value_cache
+                f"The KV cache's strides {kv_cache.stride()} are not the LHBNC or LBHNC "
+                "layout (AscendAttentionBackend.supported_kv_cache_layouts); torch_npu's "
+                "ops need each block's keys and values as contiguous rows.")
+        tiling = CacheTiling.of(block_size, layout)
+        rows = tiling.row_stride * (num_blocks - 1) + tiling.rows_per_block
+        shape, strides = (rows, kernel, hidden), (row, hidden, 1)
+        offset = kv_cache.storage_offset()
+        key_cache = kv_cache.as_strided(shape, strides, offset)
+        value_cache = kv_cache.as_strided(shape, strides, offset + slot_stride)
+        return key_cache, value_cache, tiling
 
     def do_kv_cache_update(
         self,
@@ -353,9 +460,10 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
     ) -> None:
         import torch_npu
 
-        key_cache, value_cache = self._split_cache(kv_cache)
-        num_blocks, block_size, _ = key_cache.shape
-        cache_shape = (num_blocks, block_size, self.num_kv_heads, self.head_size)
+        key_cache, value_cache, tiling = self._split_cache(kv_cache)
+        rows, kernel_block, _ = key_cache.shape
+        block_size = tiling.block_size
+        cache_shape = (rows, kernel_block, self.num_kv_heads, self.head_size)
         tokens = slot_mapping.shape[0]
         if self.pad_slots_to_null_block and tokens <= block_size:
             # Padding token i (slot -1) writes into slot i, in vLLM's null block (block 0),
@@ -380,7 +488,7 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             value[:tokens].contiguous(),
             key_cache.view(cache_shape),
             value_cache.view(cache_shape),
-            slot_mapping,
+            tiling.kernel_slots(slot_mapping),
             cache_mode="Norm",
         )
 
@@ -413,8 +521,12 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         tokens = meta.num_actual_tokens
         if tokens == 0:
             return output
-        key_cache, value_cache = self._split_cache(kv_cache)
-        block_size = key_cache.shape[1]
+        key_cache, value_cache, tiling = self._split_cache(kv_cache)
+        if meta.tiling is not None and meta.tiling != tiling:
+            raise ValueError(
+                f"The metadata's block table is in rows of {meta.tiling}, the layer's cache "
+                f"is laid out as {tiling}; both come from vLLM's resolved KV cache layout.")
+        block_size = tiling.kernel_block_size
         batch, q_s = meta.num_reqs, meta.max_query_len
         bsnd = (batch, q_s, self.num_heads, self.head_size)
         capturing = torch.npu.is_current_stream_capturing()

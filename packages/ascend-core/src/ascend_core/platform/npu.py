@@ -218,7 +218,7 @@ class AscendPlatform(AscendPlatformMixin, Platform):
             raise ValueError(
                 f"The Ascend attention backend cannot run this model's attention ({config}): "
                 f"{'; '.join(reasons)}. It takes float16/bfloat16 decoder attention with head "
-                "sizes 16 to 512 in steps of 16 and block sizes 128 to 512 in steps of 128."
+                "sizes 16 to 512 in steps of 16 and block sizes that are multiples of 128."
             )
         register_attention_backends()
         return ASCEND_ATTN_BACKEND
