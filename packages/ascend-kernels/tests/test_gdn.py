@@ -84,7 +84,7 @@ def test_triton_matches_reference(dtype, l2norm, lengths, value_dim):
 @pytest.mark.parametrize(("change", "match"), [
     ({"v": torch.zeros(4, 3, 6)}, "multiple of q's 2"),
     ({"g": torch.zeros(4, 2)}, r"g must be \[tokens=4, value heads=4\]"),
-    ({"state": torch.zeros(5, 4, 6, 8, dtype=torch.bfloat16)}, "state must be float32"),
+    ({"state": torch.zeros(5, 4, 6, 8, dtype=torch.int32)}, "state must be a float"),
     ({"state_indices": torch.tensor([0, 1])}, r"state_indices must be \[1\]"),
 ])
 def test_bad_inputs_are_named(change, match):
@@ -105,3 +105,38 @@ def test_decode_reference_equals_the_general_one():
     got = gated_delta_rule_decode_reference(q, k, v, g, beta, decode, cu, slots, None, True)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(decode, general)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_state_cache_is_read_and_written_in_its_dtype(state_dtype):
+    # vLLM's default state cache holds the model's dtype: each sequence computes in float32
+    # from the rounded state and rounds its final state once.
+    q, k, v, g, beta, state, cu = _inputs([3, 1])
+    low = state.to(state_dtype)
+    wide = low.float()
+    slots = torch.tensor([2, 0])
+    want = gated_delta_rule_reference(q, k, v, g, beta, wide, cu, slots)
+    got = gated_delta_rule_reference(q, k, v, g, beta, low, cu, slots)
+    torch.testing.assert_close(got, want)
+    assert low.dtype == state_dtype
+    torch.testing.assert_close(low, wide.to(state_dtype))
+
+
+@needs_triton
+def test_triton_reads_padded_low_precision_slots():
+    # vLLM's hybrid cache pads each slot to the attention page: slots are not adjacent.
+    from ascend_kernels.gdn import gated_delta_rule_decode
+
+    q, k, v, g, beta, state, cu = _inputs([1, 1, 1], dtype=torch.bfloat16)
+    padded = torch.zeros(state.shape[0], state[0].numel() + 40, dtype=torch.bfloat16)
+    view = padded[:, :state[0].numel()].view(state.shape)
+    view.copy_(state)
+    ref_state = view.clone()
+    slots = torch.tensor([4, 1, 3])
+    ref = gated_delta_rule_decode(q, k, v, g, beta, ref_state, slots, use_qk_l2norm=True,
+                                  backend="reference")
+    out = gated_delta_rule_decode(q, k, v, g, beta, view, slots, use_qk_l2norm=True,
+                                  backend="triton")
+    assert_close(out, ref, torch.bfloat16, scale=2)
+    torch.testing.assert_close(view.float(), ref_state.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(padded[:, state[0].numel():], torch.zeros(5, 40, dtype=torch.bfloat16))

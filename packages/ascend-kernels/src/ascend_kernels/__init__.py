@@ -9,15 +9,17 @@ Modules: ``norm`` (rms_norm, add_rms_norm, l2norm), ``activation``
 (dynamic_per_token_quant, add_rms_norm_quant, scaled_int8_mm), ``routing``
 (topk_softmax, grouped_topk), ``sampling`` (apply_top_k_top_p, apply_penalties) and
 ``rejection`` (the rejection-sampling kernels of speculative decoding), ``lora``
-(lora_shrink, lora_expand: multi-LoRA batches) and ``gdn`` (gated_delta_rule: the linear
-attention of gated delta-net layers); their Triton
+(lora_shrink, lora_expand: multi-LoRA batches), ``gdn`` (gated_delta_rule,
+gated_delta_rule_decode: the linear attention of gated delta-net layers) and ``conv``
+(causal_conv1d, causal_conv1d_update: their short convolution with its state); their Triton
 kernels live in ``triton_kernels`` and their torch_npu calls in ``npu_ops``.
 """
 
 from ascend_kernels.__about__ import __version__
 from ascend_kernels.activation import silu_and_mul
 from ascend_kernels.dispatch import BACKENDS, BackendUnavailable, resolve_backend
-from ascend_kernels.gdn import gated_delta_rule
+from ascend_kernels.conv import causal_conv1d, causal_conv1d_update
+from ascend_kernels.gdn import gated_delta_rule, gated_delta_rule_decode
 from ascend_kernels.lora import lora_expand, lora_shrink
 from ascend_kernels.moe import moe_experts
 from ascend_kernels.norm import add_rms_norm, l2norm, rms_norm
@@ -44,9 +46,12 @@ __all__ = [
     "add_rms_norm_quant",
     "apply_penalties",
     "apply_top_k_top_p",
+    "causal_conv1d",
+    "causal_conv1d_update",
     "dynamic_per_token_quant",
     "generate_recovery_noise",
     "gated_delta_rule",
+    "gated_delta_rule_decode",
     "generate_uniform_probs",
     "grouped_topk",
     "l2norm",

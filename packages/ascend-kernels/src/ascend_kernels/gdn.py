@@ -1,8 +1,8 @@
 """Gated delta rule (the linear attention of Qwen3-Next / Qwen3.5's gated delta-net layers),
 token by token over variable-length sequences, with a state cache.
 
-For each sequence and value head a state ``S`` ``[V, K]`` (float32) evolves over the
-sequence's tokens ``t``:
+For each sequence and value head a state ``S`` ``[V, K]`` evolves over the sequence's tokens
+``t`` (in float32; read from and written back to the cache in the cache's dtype):
 
     q_t, k_t = l2norm(q_t), l2norm(k_t)          (with ``use_qk_l2norm``; ``x / sqrt(|x|^2 + eps)``)
     S   = S * exp(g_t)                           (``g``: log of the decay)
@@ -48,9 +48,9 @@ def _check(q, k, v, g, beta, state, cu_seqlens, state_indices) -> tuple[int, int
             raise ValueError(f"{op}: {name} must be [tokens={tokens}, value heads="
                              f"{value_heads}], got {tuple(x.shape)}")
     if state.dim() != 4 or state.shape[1:] != (value_heads, v.shape[2], key_dim) or (
-            state.dtype != torch.float32):
-        raise ValueError(f"{op}: state must be float32 [slots, {value_heads}, {v.shape[2]}, "
-                         f"{key_dim}], got {state.dtype} {tuple(state.shape)}")
+            not state.dtype.is_floating_point):
+        raise ValueError(f"{op}: state must be a float [slots, {value_heads}, {v.shape[2]}, "
+                         f"{key_dim}] cache, got {state.dtype} {tuple(state.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype.is_floating_point:
         raise ValueError(f"{op}: cu_seqlens must be a 1-D integer tensor [sequences + 1], got "
                          f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
@@ -77,13 +77,13 @@ def gated_delta_rule_reference(q, k, v, g, beta, state, cu_seqlens, state_indice
     starts, lengths = cu[:-1], cu[1:] - cu[:-1]
     slots = (torch.arange(sequences, device=state.device) if state_indices is None
              else state_indices.long())
-    s = state[slots]  # [N, HV, V, K], a copy
+    s = state[slots].float()  # [N, HV, V, K], a copy
     for step in range(int(lengths.max())):
         active = lengths > step
         t = (starts + step)[active]
         s[active], out[t] = _step(s[active], q[t], k[t], v[t], g[t], beta[t], group, scale,
                                   use_qk_l2norm, eps)
-    state[slots] = s
+    state[slots] = s.to(state.dtype)
     return out.to(v.dtype)
 
 
@@ -109,8 +109,8 @@ def gated_delta_rule_decode_reference(q, k, v, g, beta, state, cu_seqlens, state
     group = v.shape[1] // q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     slots = state_indices.long()
-    s, out = _step(state[slots], q, k, v, g, beta, group, scale, use_qk_l2norm, eps)
-    state[slots] = s
+    s, out = _step(state[slots].float(), q, k, v, g, beta, group, scale, use_qk_l2norm, eps)
+    state[slots] = s.to(state.dtype)
     return out.to(v.dtype)
 
 
@@ -121,7 +121,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      backend: str | None = None) -> torch.Tensor:
     """Run the gated delta rule over each sequence of ``cu_seqlens`` (see the module
     docstring): ``q`` / ``k`` ``[tokens, H, K]``, ``v`` ``[tokens, HV, V]``, ``g`` / ``beta``
-    ``[tokens, HV]``, ``state`` float32 ``[slots, HV, V, K]`` read and written at
+    ``[tokens, HV]``, ``state`` ``[slots, HV, V, K]`` (float32, or the model's dtype as
+    vLLM's default state cache holds it) read and written at
     ``state_indices`` (default: slot ``n`` for sequence ``n``). Returns ``[tokens, HV, V]`` in
     ``v``'s dtype; ``scale`` defaults to ``K ** -0.5``."""
     chosen = resolve_backend("gated_delta_rule", v, (REFERENCE, TRITON), backend)
@@ -140,3 +141,22 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                                 q.shape[-1] ** -0.5 if scale is None else scale,
                                 use_qk_l2norm, eps)
     return out
+
+
+def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                            state_indices: torch.Tensor, scale: float | None = None,
+                            use_qk_l2norm: bool = False, eps: float = DEFAULT_EPS, *,
+                            backend: str | None = None) -> torch.Tensor:
+    """A decode batch: sequence ``n`` is token ``n``, its state at slot ``state_indices[n]``.
+    What ``gated_delta_rule`` computes for one-token sequences, without host
+    synchronisation (an NPU graph can capture it)."""
+    sequences = q.shape[0]
+    cu = torch.arange(sequences + 1, dtype=torch.int32, device=q.device)
+    _check(q, k, v, g, beta, state, cu, state_indices)
+    chosen = resolve_backend("gated_delta_rule_decode", v, (REFERENCE, TRITON), backend)
+    if chosen == REFERENCE:
+        return gated_delta_rule_decode_reference(q, k, v, g, beta, state, cu, state_indices,
+                                                 scale, use_qk_l2norm, eps)
+    return gated_delta_rule(q, k, v, g, beta, state, cu, state_indices, scale, use_qk_l2norm,
+                            eps, backend=TRITON)

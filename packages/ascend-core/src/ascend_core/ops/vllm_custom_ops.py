@@ -135,6 +135,11 @@ def register() -> None:
     from ascend_core.ops.moe import AscendUnquantizedFusedMoEMethod
 
     CUSTOM_OPS.register("UnquantizedFusedMoEMethod", AscendUnquantizedFusedMoEMethod)
+    # A pluggable layer (same registry): vLLM's gated delta-net layer with its core on
+    # ascend-kernels, which the npu platform reaches (the host keeps vLLM's CPU path).
+    from ascend_core.ops.gdn import REPLACES, AscendQwenGatedDeltaNetAttention
+
+    CUSTOM_OPS.register(REPLACES, AscendQwenGatedDeltaNetAttention)
 
 
 def register_with_vllm() -> list[str]:

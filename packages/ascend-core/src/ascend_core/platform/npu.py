@@ -94,6 +94,12 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         register_kernels(TRITON_FALLBACKS)
 
     @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        # vLLM's hybrid KV-cache manager: attention pages and gated delta-net states share
+        # the block pool (the attention backend reads the block-compact layout it needs).
+        return True
+
+    @classmethod
     def support_static_graph_mode(cls) -> bool:
         # NPUGraph capture of whole decode steps and of the pieces between attention ops;
         # check_and_update_config decides which a given configuration gets.

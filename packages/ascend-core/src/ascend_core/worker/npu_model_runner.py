@@ -301,6 +301,31 @@ class NPUModelRunner(CheckedLoRARunnerMixin, GPUModelRunner):
             )
         return result
 
+    def _init_kv_zero_meta(self) -> None:
+        """The attention layers' caches, viewed by vLLM's blocks, whose newly allocated
+        blocks vLLM zeroes each step where other states share the pages (hybrid models).
+        vLLM does that with a Triton kernel over raw device addresses; here it is an
+        index_fill_ per layer, as for vLLM, mamba-state layers are left alone."""
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        context = self.compilation_config.static_forward_context
+        self._zero_views = [
+            context[name].kv_cache
+            for group in self._kv_cache_spec_attn_group_iterator()
+            if isinstance(group.kv_cache_spec, AttentionSpec)
+            for name in group.layer_names
+            if name not in self.runner_only_attn_layers
+            and isinstance(context[name].kv_cache, torch.Tensor)
+        ]
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        views = getattr(self, "_zero_views", None)
+        if not block_ids or not views:
+            return
+        blocks = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        for view in views:
+            view.index_fill_(0, blocks, 0)
+
     @_on_npu
     def execute_model(self, *args, **kwargs):
         return super().execute_model(*args, **kwargs)

@@ -17,7 +17,7 @@ import triton.language as tl
 @triton.jit
 def _gated_delta_rule_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, cu_ptr, index_ptr, out_ptr,
-    scale, eps,
+    scale, eps, slot_stride,
     HEADS: tl.constexpr,
     VALUE_HEADS: tl.constexpr,
     KEY_DIM: tl.constexpr,
@@ -38,9 +38,9 @@ def _gated_delta_rule_kernel(
     start = tl.load(cu_ptr + seq).to(tl.int64)
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     slot = tl.load(index_ptr + seq).to(tl.int64)
-    state_block = (state_ptr + (slot * VALUE_HEADS + value_head) * VALUE_DIM * KEY_DIM
+    state_block = (state_ptr + slot * slot_stride + value_head * VALUE_DIM * KEY_DIM
                    + rows[:, None] * KEY_DIM + cols[None, :])
-    s = tl.load(state_block, mask=block_mask, other=0.0)
+    s = tl.load(state_block, mask=block_mask, other=0.0).to(tl.float32)
 
     for t in range(start, end):
         qk_row = (t * HEADS + head) * KEY_DIM + cols
@@ -59,7 +59,7 @@ def _gated_delta_rule_kernel(
         o = tl.sum(s * (q * scale)[None, :], 1)
         tl.store(out_ptr + v_row, o.to(out_ptr.dtype.element_ty), mask=row_mask)
 
-    tl.store(state_block, s, mask=block_mask)
+    tl.store(state_block, s.to(state_ptr.dtype.element_ty), mask=block_mask)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -67,9 +67,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      state_indices: torch.Tensor, out: torch.Tensor, scale: float,
                      use_qk_l2norm: bool, eps: float) -> None:
     """Contiguous ``q`` / ``k`` ``[T, H, K]``, ``v`` / ``out`` ``[T, HV, V]``, ``g`` / ``beta``
-    ``[T, HV]``, ``state`` float32 ``[slots, HV, V, K]`` (contiguous: updated in place)."""
-    if not state.is_contiguous():
-        raise ValueError("gated_delta_rule (Triton): the state cache must be contiguous")
+    ``[T, HV]``, ``state`` ``[slots, HV, V, K]`` (each slot contiguous; slots may be
+    padded apart, as in vLLM's hybrid cache), updated in place."""
+    if not state[0].is_contiguous():
+        raise ValueError("gated_delta_rule (Triton): each state slot must be contiguous")
     sequences = cu_seqlens.numel() - 1
     _, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[1], v.shape[2]
@@ -81,5 +82,6 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return
     _gated_delta_rule_kernel[grid](
         q, k, v, g, beta, state, cu_seqlens, state_indices, out, float(scale), float(eps),
+        state.stride(0),
         HEADS=heads, VALUE_HEADS=value_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim,
         BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm)

@@ -1,0 +1,112 @@
+"""Causal depthwise 1-D convolution with a per-sequence state: the short convolution in
+front of Qwen3-Next / Qwen3.5's gated delta-net attention (and of Mamba layers).
+
+Channel ``c`` of token ``t`` is ``act(bias[c] + sum_j weight[c, j] * x[t - W + 1 + j, c])``
+over the kernel's ``W`` taps, where the inputs before a sequence's first token come from its
+conv state: the last ``W - 1`` inputs the sequence saw (zeros for a sequence without one).
+States live in a cache ``[slots, dim, W - 1]`` (any strides: vLLM views its cache that way);
+sequence ``n`` reads and writes slot ``state_indices[n]`` in place, leaving there its last
+``W - 1`` inputs (state and new tokens together).
+
+- ``causal_conv1d``: variable-length sequences (prefill, chunked prefill);
+- ``causal_conv1d_update``: one token per sequence (decode), without host synchronisation,
+  so an NPU graph can capture it.
+
+Backends: the reference (float32 sums, the output rounded once to ``x``'s dtype). The
+activation is SiLU (``"silu"`` / ``"swish"``) or none.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ascend_kernels.dispatch import REFERENCE, require_float, resolve_backend
+
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def _check(op, x, weight, bias, conv_states, activation) -> None:
+    require_float(op, "x", x)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be [tokens, dim], got {tuple(x.shape)}")
+    dim = x.shape[1]
+    if weight.dim() != 2 or weight.shape[0] != dim or weight.shape[1] < 2:
+        raise ValueError(f"{op}: weight must be [dim={dim}, width >= 2], got "
+                         f"{tuple(weight.shape)}")
+    if bias is not None and bias.shape != (dim,):
+        raise ValueError(f"{op}: bias must be [dim={dim}], got {tuple(bias.shape)}")
+    width = weight.shape[1]
+    if conv_states.dim() != 3 or conv_states.shape[1:] != (dim, width - 1):
+        raise ValueError(f"{op}: conv_states must be [slots, dim={dim}, width - 1="
+                         f"{width - 1}], got {tuple(conv_states.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _finish(sums: torch.Tensor, bias, activation) -> torch.Tensor:
+    if bias is not None:
+        sums = sums + bias.float()
+    return F.silu(sums) if activation is not None else sums
+
+
+def causal_conv1d_reference(x, weight, bias, conv_states, cu_seqlens, state_indices=None,
+                            has_initial_state=None, activation="silu"):
+    _check("causal_conv1d", x, weight, bias, conv_states, activation)
+    width = weight.shape[1]
+    out = torch.empty_like(x)
+    bounds = cu_seqlens.tolist()
+    slots = (list(range(len(bounds) - 1)) if state_indices is None
+             else state_indices.tolist())
+    initial = (None if has_initial_state is None else has_initial_state.tolist())
+    taps = weight.float()[:, None, :]  # [dim, 1, W]
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        if end == start:
+            continue
+        slot = slots[n]
+        state = conv_states[slot]
+        if initial is not None and not initial[n]:
+            state = torch.zeros_like(state)
+        window = torch.cat([state.float(), x[start:end].float().T], dim=1)  # [dim, W-1+L]
+        # Windows of W inputs ending at each token: [dim, L, W] (plain torch: any device).
+        sums = (window.unfold(1, width, 1) * taps).sum(-1).T  # [L, dim]
+        out[start:end] = _finish(sums, bias, activation).to(x.dtype)
+        conv_states[slot] = window[:, -(width - 1):].to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d_update_reference(x, weight, bias, conv_states, state_indices,
+                                   activation="silu"):
+    _check("causal_conv1d_update", x, weight, bias, conv_states, activation)
+    slots = state_indices.long()
+    window = torch.cat([conv_states[slots].float(), x.float()[:, :, None]], dim=2)
+    out = _finish((window * weight.float()).sum(-1), bias, activation).to(x.dtype)
+    conv_states[slots] = window[:, :, 1:].to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  conv_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                  state_indices: torch.Tensor | None = None,
+                  has_initial_state: torch.Tensor | None = None, activation: str | None = "silu",
+                  *, backend: str | None = None) -> torch.Tensor:
+    """The convolution of each sequence of ``cu_seqlens`` over ``x`` ``[tokens, dim]``:
+    ``weight`` ``[dim, W]``, ``bias`` ``[dim]`` or None, states ``[slots, dim, W - 1]`` read
+    at ``state_indices`` (default: slot ``n`` for sequence ``n``) unless
+    ``has_initial_state[n]`` is false (zeros), and written there. Returns ``[tokens, dim]``
+    in ``x``'s dtype."""
+    resolve_backend("causal_conv1d", x, (REFERENCE,), backend)
+    return causal_conv1d_reference(x, weight, bias, conv_states, cu_seqlens, state_indices,
+                                   has_initial_state, activation)
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_states: torch.Tensor, state_indices: torch.Tensor,
+                         activation: str | None = "silu", *,
+                         backend: str | None = None) -> torch.Tensor:
+    """One token per sequence: ``x`` ``[sequences, dim]``, sequence ``n``'s state at slot
+    ``state_indices[n]`` (always read: a decode step continues its sequence). Returns
+    ``[sequences, dim]`` in ``x``'s dtype; graph-safe."""
+    resolve_backend("causal_conv1d_update", x, (REFERENCE,), backend)
+    return causal_conv1d_update_reference(x, weight, bias, conv_states, state_indices,
+                                          activation)
