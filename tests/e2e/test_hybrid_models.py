@@ -1,30 +1,72 @@
-"""Hybrid-attention models on the host target: a tiny Qwen3-Next (gated delta-net linear
-attention layers between full-attention ones, MoE MLPs; random weights, made at test time)
-through the plugin against stock vLLM, both on vLLM's CPU GDN path in bfloat16 (that path
-takes bfloat16 only, and linear-attention heads of 128).
+"""Hybrid-attention models: a tiny Qwen3-Next (gated delta-net linear attention layers
+between full-attention ones; random weights, made at test time), through the plugin on both
+targets against stock vLLM on vLLM's CPU GDN path, in bfloat16 (that path takes bfloat16
+only, and linear-attention heads of 128).
 
-Compared up to near-ties, each checked in both runs' logprobs
-(``assert_equal_up_to_near_ties``): in bfloat16 a near-tie may round apart between two runs.
+On npu (the reference torch_npu) the gated delta-net layers run on ascend-kernels
+(``AscendQwenGatedDeltaNetAttention``), their conv and recurrent states in vLLM's hybrid
+KV-cache manager beside the attention pages, which the Ascend attention backend reads in the
+block-compact LBHNC layout as rows of the fused op's block size. Greedy tokens are compared
+up to near-ties (``assert_equal_up_to_near_ties``): in bfloat16 a near-tie may round apart
+between two runs. Three of the four layers have dense MLPs: where two experts' router scores
+nearly tie, bfloat16 picks either, which moves a random MoE's logits by far more than the
+GDN layers' own rounding (test_npu_target.py's MoE test). The npu core's values are checked
+against vLLM's CPU core directly in ``core`` test_gdn_layer.py.
 """
 
 from __future__ import annotations
 
 import pytest
-from test_npu_target import assert_equal_up_to_near_ties, run
+from test_npu_target import NPU, assert_equal_up_to_near_ties, assert_on_npu, run
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
+# A float32 recurrent state: a prompt prefilled in chunks then leaves the same state as
+# whole (with the model's bfloat16 the state is rounded between chunks).
+FLOAT32_STATE = {"dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
 def qwen3_next() -> str:
     from ascend_plugin.tiny_models import ensure_model
 
-    return str(ensure_model("qwen3_next", num_layers=4))
+    return str(ensure_model("qwen3_next", num_layers=4, mlp_only_layers=[0, 1, 2]))
 
 
-def test_qwen3_next_on_the_host_target_equals_stock_vllm(qwen3_next):
+@pytest.fixture(scope="module")
+def qwen3_next_host(qwen3_next) -> dict:
+    return run(qwen3_next, HOST, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_npu(qwen3_next) -> dict:
+    return run(qwen3_next, NPU, **FLOAT32_STATE)
+
+
+def test_qwen3_next_on_the_host_target_equals_stock_vllm(qwen3_next, qwen3_next_host):
     stock = run(qwen3_next, {}, dtype="bfloat16")
-    ours = run(qwen3_next, HOST, dtype="bfloat16")
+    ours = qwen3_next_host
     assert ours["platform"] == "ascend_core.platform.host.AscendHostPlatform"
     assert "AscendUnquantizedFusedMoEMethod" in ours["workers"][0]["layer_classes"]
     assert_equal_up_to_near_ties(ours, stock, "Qwen3-Next: host target vs stock vLLM")
+
+
+def test_qwen3_next_on_npu_equals_the_host_target(qwen3_next_npu, qwen3_next_host):
+    npu = qwen3_next_npu
+    assert_on_npu(npu)
+    (worker,) = npu["workers"]
+    assert "AscendQwenGatedDeltaNetAttention" in worker["layer_classes"]
+    # The attention block holds a GDN layer's states (about 1 MiB in float32): vLLM sized it
+    # to 1152 tokens, which the Ascend backend reads as 9 rows of 128.
+    assert worker["kv_block_size"] == 1152
+    # Gaps up to 0.094 nat seen here (prefill logits of this random model in bfloat16,
+    # formed by other kernels); a GDN state lost between decode steps gave 0.5.
+    assert_equal_up_to_near_ties(npu, qwen3_next_host, "Qwen3-Next: npu vs host target",
+                                 near_tie=0.2)
+
+
+def test_qwen3_next_chunked_prefill_on_npu_equals_whole_prompts(qwen3_next, qwen3_next_npu):
+    # 8 tokens per step: prompts of 9 to 21 tokens prefill in 2 or 3 chunks, each later
+    # chunk starting from the conv and recurrent states the one before left.
+    chunked = run(qwen3_next, NPU, max_num_batched_tokens=8, max_num_seqs=4,
+                  **FLOAT32_STATE)
+    assert chunked["token_ids"] == qwen3_next_npu["token_ids"]

@@ -62,9 +62,10 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if n == len(a) == len(b) else n
 
 
-def assert_equal_up_to_near_ties(ours: dict, theirs: dict, what: str) -> None:
+def assert_equal_up_to_near_ties(ours: dict, theirs: dict, what: str,
+                                 near_tie: float = NEAR_TIE) -> None:
     """Greedy tokens equal, or equal up to a position where the two runs' choices are
-    within NEAR_TIE of each other in both runs' logprobs."""
+    within ``near_tie`` of each other in both runs' logprobs."""
     assert ours["prompt_token_ids"] == theirs["prompt_token_ids"]
     report = []
     for prompt, (a, b) in enumerate(zip(ours["token_ids"], theirs["token_ids"], strict=True)):
@@ -81,9 +82,9 @@ def assert_equal_up_to_near_ties(ours: dict, theirs: dict, what: str) -> None:
                                  f"{TOP_LOGPROBS} there: {top}")
             gaps.append(abs(top[str(a[n])] - top[str(b[n])]))
         report.append(f"differs at {n}, gap {max(gaps):.3f}")
-        assert max(gaps) <= NEAR_TIE, (f"{what}, prompt {prompt}: tokens {a[n]} / {b[n]} at "
+        assert max(gaps) <= near_tie, (f"{what}, prompt {prompt}: tokens {a[n]} / {b[n]} at "
                                        f"position {n} are {max(gaps):.3f} nat apart, not a "
-                                       f"near-tie (<= {NEAR_TIE})")
+                                       f"near-tie (<= {near_tie})")
     print(f"\n{what}: {report}")
 
 

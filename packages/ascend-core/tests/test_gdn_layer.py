@@ -100,7 +100,7 @@ def test_npu_core_equals_vllms_cpu_core(monkeypatch):
         want = _vllm_cpu_core(theirs, meta, mixed, b, a, monkeypatch)
         got = torch.zeros_like(want)
         gdn_core(ours, meta, mixed, b, a, got)
-        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-2)
         torch.testing.assert_close(ours.kv_cache[0], theirs.kv_cache[0], atol=0, rtol=0)
         torch.testing.assert_close(_as_vllm_cpu_holds_it(ours.kv_cache[1]).float(),
                                    theirs.kv_cache[1].float(), atol=2e-2, rtol=2e-2)

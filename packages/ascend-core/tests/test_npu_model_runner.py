@@ -204,3 +204,23 @@ def test_slot_mapping_fallback_refuses_context_parallelism():
                              torch.zeros(1, 1, dtype=torch.int32), 1,
                              torch.zeros(2, dtype=torch.int64), KV_CACHE_BLOCK_SIZE=4,
                              TOTAL_CP_WORLD_SIZE=2)
+
+
+def test_batch_memcpy_fallback_copies_within_the_kv_cache_allocation():
+    # vLLM's mamba state copies (prefix caching) come as raw addresses of the KV cache.
+    from ascend_core.worker.triton_fallbacks import batch_memcpy, register_kv_allocation
+
+    cache = torch.arange(64, dtype=torch.int32)
+    view = cache[8:].view(4, 14)  # a layer's view into the allocation
+    register_kv_allocation(view)
+    base, word = cache.data_ptr(), cache.element_size()
+    src = torch.tensor([base + 0 * word, base + 40 * word])
+    dst = torch.tensor([base + 20 * word, base + 44 * word])  # the second overlaps its source
+    batch_memcpy(src, dst, torch.tensor([4 * word, 8 * word]))
+    want = torch.arange(64, dtype=torch.int32)
+    want[20:24] = torch.arange(0, 4)
+    want[44:52] = torch.arange(40, 48)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="lie in no KV cache allocation"):
+        batch_memcpy(torch.tensor([base]), torch.tensor([base + 10 ** 9]),
+                     torch.tensor([word]))

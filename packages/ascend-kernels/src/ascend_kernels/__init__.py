@@ -17,8 +17,8 @@ kernels live in ``triton_kernels`` and their torch_npu calls in ``npu_ops``.
 
 from ascend_kernels.__about__ import __version__
 from ascend_kernels.activation import silu_and_mul
-from ascend_kernels.dispatch import BACKENDS, BackendUnavailable, resolve_backend
 from ascend_kernels.conv import causal_conv1d, causal_conv1d_update
+from ascend_kernels.dispatch import BACKENDS, BackendUnavailable, resolve_backend
 from ascend_kernels.gdn import gated_delta_rule, gated_delta_rule_decode
 from ascend_kernels.lora import lora_expand, lora_shrink
 from ascend_kernels.moe import moe_experts

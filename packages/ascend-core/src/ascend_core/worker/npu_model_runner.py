@@ -292,6 +292,11 @@ class NPUModelRunner(CheckedLoRARunnerMixin, GPUModelRunner):
     @_on_npu
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         result = super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        from ascend_core.worker.triton_fallbacks import register_kv_allocation
+
+        for cache in self.kv_caches:
+            for tensor in cache if isinstance(cache, (list, tuple)) else (cache,):
+                register_kv_allocation(tensor)
         if self.graph_capture_sizes and not kwargs.get("is_profiling", False):
             check_capture_sizes_fit_cache(
                 self.graph_capture_sizes,

@@ -51,7 +51,47 @@ def compute_slot_mapping(
     slot_mapping[num_tokens:max_num_tokens] = PAD_ID
 
 
+# The KV cache allocations of this process as flat byte tensors: vLLM's mamba state copies
+# come as raw device addresses, which a torch copy addresses through the allocation holding
+# them (NPUModelRunner registers them once the cache is allocated).
+_KV_ALLOCATIONS: dict[int, torch.Tensor] = {}
+
+
+def register_kv_allocation(tensor: torch.Tensor) -> None:
+    """Make the allocation behind ``tensor`` (a view of the KV cache) addressable by
+    ``batch_memcpy``."""
+    storage = tensor.untyped_storage()
+    if storage.data_ptr() not in _KV_ALLOCATIONS:
+        # The whole allocation, in the view's dtype from byte 0, then as bytes.
+        elements = storage.nbytes() // tensor.element_size()
+        whole = tensor.as_strided((elements,), (1,), 0)
+        _KV_ALLOCATIONS[storage.data_ptr()] = whole.view(torch.uint8)
+
+
+def _bytes_at(address: int, size: int) -> torch.Tensor:
+    for base, flat in _KV_ALLOCATIONS.items():
+        if base <= address and address + size <= base + flat.numel():
+            return flat[address - base:address - base + size]
+    raise RuntimeError(
+        f"batch_memcpy: {size} bytes at {address:#x} lie in no KV cache allocation this "
+        "process registered (register_kv_allocation); the torch fallback copies only "
+        "within the KV cache, as vLLM's mamba state copies do.")
+
+
+def batch_memcpy(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, sizes: torch.Tensor,
+                 BLOCK_SIZE: int = 1024) -> None:  # noqa: N803 - the kernel's argument names
+    """vLLM's ``batch_memcpy_kernel``: copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to
+    ``dst_ptrs[i]`` (mamba states moving between blocks under prefix caching), here as
+    torch copies within the KV cache allocation; each source is read whole before its
+    destination is written (the kernel's overlap rule)."""
+    for src, dst, size in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist(),
+                              strict=True):
+        if size:
+            _bytes_at(dst, size).copy_(_bytes_at(src, size).clone())
+
+
 # vLLM kernel name -> replacement, for register_kernels.
 TRITON_FALLBACKS = {
     "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping,
+    "vllm.v1.worker.mamba_utils.batch_memcpy_kernel": batch_memcpy,
 }
