@@ -17,7 +17,7 @@ against vLLM's CPU core directly in ``core`` test_gdn_layer.py.
 from __future__ import annotations
 
 import pytest
-from test_npu_target import NPU, assert_equal_up_to_near_ties, assert_on_npu, run
+from test_npu_target import GRAPHS, NPU, assert_equal_up_to_near_ties, assert_on_npu, run
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
 # A float32 recurrent state: a prompt prefilled in chunks then leaves the same state as
@@ -65,8 +65,18 @@ def test_qwen3_next_on_npu_equals_the_host_target(qwen3_next_npu, qwen3_next_hos
 
 
 def test_qwen3_next_chunked_prefill_on_npu_equals_whole_prompts(qwen3_next, qwen3_next_npu):
-    # 8 tokens per step: prompts of 9 to 21 tokens prefill in 2 or 3 chunks, each later
-    # chunk starting from the conv and recurrent states the one before left.
+    # 8 tokens per step: prompts of 7 to 21 tokens prefill in chunks of at most 8, each
+    # later chunk starting from the conv and recurrent states the one before left.
     chunked = run(qwen3_next, NPU, max_num_batched_tokens=8, max_num_seqs=4,
                   **FLOAT32_STATE)
     assert chunked["token_ids"] == qwen3_next_npu["token_ids"]
+
+
+def test_qwen3_next_with_full_decode_graphs_on_npu_keeps_greedy_tokens(qwen3_next,
+                                                                       qwen3_next_npu):
+    # Decode steps replayed from captured graphs: the GDN layers' conv and delta-rule
+    # decode forms (no host synchronisation) inside them, states at the metadata's slots.
+    graphs = run(qwen3_next, NPU, **FLOAT32_STATE, **GRAPHS)
+    (worker,) = graphs["workers"]
+    assert worker["graph_replays"] >= 15
+    assert graphs["token_ids"] == qwen3_next_npu["token_ids"]

@@ -31,8 +31,9 @@ def vllm_context():
 
 
 def test_registration_makes_vllm_build_our_layers(vllm_context):
-    assert register_with_vllm() == ["MRotaryEmbedding", "RMSNorm", "RotaryEmbedding",
-                                    "SiluAndMul", "UnquantizedFusedMoEMethod"]
+    assert register_with_vllm() == ["MRotaryEmbedding", "QwenGatedDeltaNetAttention", "RMSNorm",
+                                    "RotaryEmbedding", "SiluAndMul",
+                                    "UnquantizedFusedMoEMethod"]
     assert register_with_vllm() == []  # once per process, however often plugins load
     assert type(RMSNorm(64)) is AscendRMSNorm
     assert type(SiluAndMul()) is AscendSiluAndMul
@@ -40,6 +41,10 @@ def test_registration_makes_vllm_build_our_layers(vllm_context):
         AscendRotaryEmbedding)
     assert CUSTOM_OPS.get("RMSNorm") is AscendRMSNorm
     assert op_registry_oot["UnquantizedFusedMoEMethod"] is AscendUnquantizedFusedMoEMethod
+    # A pluggable layer, replaced by class name through the same registry.
+    from ascend_core.ops.gdn import AscendQwenGatedDeltaNetAttention
+
+    assert op_registry_oot["QwenGatedDeltaNetAttention"] is AscendQwenGatedDeltaNetAttention
 
 
 def test_another_plugins_replacement_is_not_overwritten(vllm_context):
