@@ -20,8 +20,7 @@ import pytest
 from test_npu_target import GRAPHS, NPU, assert_equal_up_to_near_ties, assert_on_npu, run
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
-# A float32 recurrent state: a prompt prefilled in chunks then leaves the same state as
-# whole (with the model's bfloat16 the state is rounded between chunks).
+# A float32 recurrent state cache (vLLM's default holds the model's dtype).
 FLOAT32_STATE = {"dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}
 
 
@@ -39,7 +38,9 @@ def qwen3_next_host(qwen3_next) -> dict:
 
 @pytest.fixture(scope="module")
 def qwen3_next_npu(qwen3_next) -> dict:
-    return run(qwen3_next, NPU, **FLOAT32_STATE)
+    # vLLM's default state cache (bfloat16): decode steps on torch_npu's
+    # npu_recurrent_gated_delta_rule, which keeps a bfloat16 state.
+    return run(qwen3_next, NPU, dtype="bfloat16")
 
 
 def test_qwen3_next_on_the_host_target_equals_stock_vllm(qwen3_next, qwen3_next_host):
@@ -55,28 +56,32 @@ def test_qwen3_next_on_npu_equals_the_host_target(qwen3_next_npu, qwen3_next_hos
     assert_on_npu(npu)
     (worker,) = npu["workers"]
     assert "AscendQwenGatedDeltaNetAttention" in worker["layer_classes"]
-    # The attention block holds a GDN layer's states (about 1 MiB in float32): vLLM sized it
-    # to 1152 tokens, which the Ascend backend reads as 9 rows of 128.
-    assert worker["kv_block_size"] == 1152
-    # Gaps up to 0.094 nat seen here (prefill logits of this random model in bfloat16,
-    # formed by other kernels); a GDN state lost between decode steps gave 0.5.
+    # The attention block holds a GDN layer's states (about 0.5 MiB in bfloat16): vLLM sized
+    # it to 640 tokens, which the Ascend backend reads as 5 rows of 128.
+    assert worker["kv_block_size"] == 640
+    # Gaps up to 0.125 nat seen here (logits of this random model in bfloat16, formed by
+    # other kernels); a GDN state lost between decode steps gave 0.5.
     assert_equal_up_to_near_ties(npu, qwen3_next_host, "Qwen3-Next: npu vs host target",
                                  near_tie=0.2)
 
 
-def test_qwen3_next_chunked_prefill_on_npu_equals_whole_prompts(qwen3_next, qwen3_next_npu):
+def test_qwen3_next_chunked_prefill_on_npu_equals_whole_prompts(qwen3_next):
     # 8 tokens per step: prompts of 7 to 21 tokens prefill in chunks of at most 8, each
-    # later chunk starting from the conv and recurrent states the one before left.
+    # later chunk starting from the conv and recurrent states the one before left (float32:
+    # with bfloat16 the state would be rounded between chunks).
+    whole = run(qwen3_next, NPU, **FLOAT32_STATE)
+    # The float32 states (about 1 MiB) make blocks of 1152 tokens: 9 rows of 128.
+    assert whole["workers"][0]["kv_block_size"] == 1152
     chunked = run(qwen3_next, NPU, max_num_batched_tokens=8, max_num_seqs=4,
                   **FLOAT32_STATE)
-    assert chunked["token_ids"] == qwen3_next_npu["token_ids"]
+    assert chunked["token_ids"] == whole["token_ids"]
 
 
 def test_qwen3_next_with_full_decode_graphs_on_npu_keeps_greedy_tokens(qwen3_next,
                                                                        qwen3_next_npu):
     # Decode steps replayed from captured graphs: the GDN layers' conv and delta-rule
     # decode forms (no host synchronisation) inside them, states at the metadata's slots.
-    graphs = run(qwen3_next, NPU, **FLOAT32_STATE, **GRAPHS)
+    graphs = run(qwen3_next, NPU, dtype="bfloat16", **GRAPHS)
     (worker,) = graphs["workers"]
     assert worker["graph_replays"] >= 15
     assert graphs["token_ids"] == qwen3_next_npu["token_ids"]

@@ -106,10 +106,17 @@ def test_npu_core_equals_vllms_cpu_core(monkeypatch):
                                    theirs.kv_cache[1].float(), atol=2e-2, rtol=2e-2)
 
 
-def test_speculative_batches_are_refused_with_the_reason():
+def test_speculation_is_refused_when_the_model_is_built():
+    from ascend_core.ops.gdn import refuse_speculation
+
+    refuse_speculation(None)
+    refuse_speculation(SimpleNamespace(method="mtp", num_speculative_tokens=0))
+    with pytest.raises(NotImplementedError,
+                       match="method='mtp': gated delta-net layers .* do not verify"):
+        refuse_speculation(SimpleNamespace(method="mtp", num_speculative_tokens=2))
     meta = _metadata([1], [], [], [])
     meta.spec_sequence_masks = torch.tensor([True])
-    with pytest.raises(NotImplementedError, match="do not verify speculative tokens"):
+    with pytest.raises(NotImplementedError, match="speculative batch"):
         gdn_core(_layer(), meta, *_inputs(1, 0), torch.zeros(1, VALUE_HEADS, HEAD_DIM))
 
 

@@ -219,3 +219,37 @@ def test_mrope_npu_refuses_what_npu_mrope_does_not_take(reference_torch_npu, sec
     with pytest.raises(ascend_kernels.BackendUnavailable, match=why):
         ascend_kernels.mrope(positions, query, key, torch.randn(4, rotary_dim), head_size,
                              section, True, interleaved, backend="npu")
+
+
+def _gdn_decode_inputs(state_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k = randn(3, 2, 64).bfloat16(), randn(3, 2, 64).bfloat16()
+    v = randn(3, 4, 32).bfloat16()
+    g = torch.nn.functional.logsigmoid(randn(3, 4))
+    beta = torch.sigmoid(randn(3, 4)).bfloat16()
+    state = (randn(6, 4, 32, 64) * 0.1).to(state_dtype)
+    return q, k, v, g, beta, state, torch.tensor([5, 1, 3])
+
+
+def test_gdn_decode_npu_takes_npu_recurrent_gated_delta_rule(reference_torch_npu,
+                                                              monkeypatch):
+    calls = _spy(monkeypatch, reference_torch_npu, "npu_recurrent_gated_delta_rule")
+    q, k, v, g, beta, state, slots = _gdn_decode_inputs(torch.bfloat16)
+    ref_state = state.clone()
+    out = ascend_kernels.gated_delta_rule_decode(q, k, v, g, beta, state, slots,
+                                                 use_qk_l2norm=True, backend="npu")
+    ref = ascend_kernels.gated_delta_rule_decode(q, k, v, g, beta, ref_state, slots,
+                                                 use_qk_l2norm=True, backend="reference")
+    assert len(calls) == 1
+    assert_close(out, ref, torch.bfloat16, scale=2)
+    torch.testing.assert_close(state.float(), ref_state.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gdn_decode_npu_refuses_a_float32_state(reference_torch_npu):
+    q, k, v, g, beta, state, slots = _gdn_decode_inputs(torch.float32)
+    with pytest.raises(BackendUnavailable, match="keeps a bfloat16 state"):
+        ascend_kernels.gated_delta_rule_decode(q, k, v, g, beta, state, slots, backend="npu")

@@ -17,14 +17,15 @@ layout); sequence ``n`` starts from slot ``state_indices[n]`` and leaves its fin
 prefill (its chunked form for long prefills computes the same values in another order).
 
 Backends: the reference (float32, vectorised over heads); Triton (one program per sequence,
-value head and block of V, the state block in registers across the sequence's tokens).
+value head and block of V, the state block in registers across the sequence's tokens); for
+the decode form also torch_npu's ``npu_recurrent_gated_delta_rule`` (bfloat16 states).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ascend_kernels.dispatch import REFERENCE, TRITON, require_float, resolve_backend
+from ascend_kernels.dispatch import NPU, REFERENCE, TRITON, require_float, resolve_backend
 
 DEFAULT_EPS = 1e-6
 
@@ -151,10 +152,19 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """A decode batch: sequence ``n`` is token ``n``, its state at slot ``state_indices[n]``.
     What ``gated_delta_rule`` computes for one-token sequences, without host
     synchronisation (an NPU graph can capture it)."""
+    from ascend_kernels.npu_ops.gdn import gated_delta_rule_decode_problem
+
     sequences = q.shape[0]
     cu = torch.arange(sequences + 1, dtype=torch.int32, device=q.device)
     _check(q, k, v, g, beta, state, cu, state_indices)
-    chosen = resolve_backend("gated_delta_rule_decode", v, (REFERENCE, TRITON), backend)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    chosen = resolve_backend("gated_delta_rule_decode", v, (REFERENCE, TRITON, NPU), backend,
+                             {NPU: gated_delta_rule_decode_problem(q, v, state)})
+    if chosen == NPU:
+        from ascend_kernels.npu_ops import gdn as npu_gdn
+
+        return npu_gdn.gated_delta_rule_decode(q, k, v, g, beta, state, state_indices, scale,
+                                               use_qk_l2norm, eps)
     if chosen == REFERENCE:
         return gated_delta_rule_decode_reference(q, k, v, g, beta, state, cu, state_indices,
                                                  scale, use_qk_l2norm, eps)

@@ -43,8 +43,23 @@ def gdn_gates(A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return g, torch.sigmoid(b.float())
 
 
+def refuse_speculation(speculative_config) -> None:
+    """Speculative verification (MTP) through gated delta-net layers is not built on npu:
+    refused when the model is built, not at the first verified batch."""
+    if speculative_config is not None and speculative_config.num_speculative_tokens:
+        raise NotImplementedError(
+            f"speculative_config method={speculative_config.method!r}: gated delta-net "
+            "layers (Qwen3-Next, Qwen3.5) on the npu target do not verify speculative "
+            "tokens yet; serve this model without speculative_config (the host target "
+            "runs vLLM's CPU path, which does).")
+
+
 class AscendQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     """vLLM's layer with its core on ascend-kernels (see the module docstring)."""
+
+    def __init__(self, config, vllm_config, *args, **kwargs) -> None:
+        refuse_speculation(vllm_config.speculative_config)
+        super().__init__(config, vllm_config, *args, **kwargs)
 
     def _forward_core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                       core_attn_out: torch.Tensor) -> None:
@@ -68,10 +83,8 @@ def gdn_core(layer: QwenGatedDeltaNetAttention, meta: GDNAttentionMetadata,
         gated_delta_rule_decode,
     )
 
-    if meta.spec_sequence_masks is not None:
-        raise NotImplementedError(
-            "Gated delta-net layers on npu do not verify speculative tokens yet "
-            "(MTP); serve this model without speculative_config.")
+    if meta.spec_sequence_masks is not None:  # refused at start-up (refuse_speculation)
+        raise NotImplementedError("gated delta-net layers on npu: speculative batch")
     conv_cache, ssm_state = layer.kv_cache[0], layer.kv_cache[1]
     conv_state = conv_cache if is_conv_state_dim_first() else conv_cache.transpose(-1, -2)
     weight = layer.conv1d.weight.view(layer.conv1d.weight.size(0), -1)

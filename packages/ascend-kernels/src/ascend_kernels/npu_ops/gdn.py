@@ -1,0 +1,52 @@
+"""The gated delta rule's decode form on torch_npu.
+
+``npu_recurrent_gated_delta_rule`` (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/
+torch_npu-npu_recurrent_gated_delta_rule.md) runs batches of 1 to 8 tokens from a bfloat16
+state cache ``(BlockNum, N_v, D_v, D_k)``: here one token per sequence, its index the
+sequence's slot (read, and written with the new state). It takes bfloat16 q / k / v / beta,
+a float32 log decay ``g`` and int32 lengths and indices, and L2-normalises nothing: q and k
+are normalised here first, as the page's example does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ascend_kernels.dispatch import torch_npu_module
+
+_MAX_HEADS = 256
+_MAX_HEAD_DIM = 512
+
+
+def gated_delta_rule_decode_problem(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+                                    ) -> str | None:
+    if q.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return f"npu_recurrent_gated_delta_rule takes bfloat16 q / k / v, got {v.dtype}"
+    if state.dtype != torch.bfloat16:
+        return (f"npu_recurrent_gated_delta_rule keeps a bfloat16 state, the cache holds "
+                f"{state.dtype}")
+    if max(q.shape[1], v.shape[1]) > _MAX_HEADS:
+        return f"npu_recurrent_gated_delta_rule takes at most {_MAX_HEADS} heads"
+    if max(q.shape[2], v.shape[2]) > _MAX_HEAD_DIM:
+        return f"npu_recurrent_gated_delta_rule takes head sizes up to {_MAX_HEAD_DIM}"
+    if state.shape[0] < q.shape[0]:
+        return "npu_recurrent_gated_delta_rule needs at least as many state slots as tokens"
+    return None
+
+
+def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 / torch.sqrt((x32 * x32).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm,
+                            eps) -> torch.Tensor:
+    if use_qk_l2norm:
+        q, k = _l2norm(q, eps), _l2norm(k, eps)
+    sequences = q.shape[0]
+    return torch_npu_module().npu_recurrent_gated_delta_rule(
+        q.contiguous(), k.contiguous(), v.contiguous(), state,
+        beta=beta.to(torch.bfloat16).contiguous(), scale=float(scale),
+        actual_seq_lengths=torch.ones(sequences, dtype=torch.int32, device=q.device),
+        ssm_state_indices=state_indices.to(torch.int32),
+        g=g.float().contiguous())
