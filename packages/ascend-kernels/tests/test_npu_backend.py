@@ -253,3 +253,26 @@ def test_gdn_decode_npu_refuses_a_float32_state(reference_torch_npu):
     q, k, v, g, beta, state, slots = _gdn_decode_inputs(torch.float32)
     with pytest.raises(BackendUnavailable, match="keeps a bfloat16 state"):
         ascend_kernels.gated_delta_rule_decode(q, k, v, g, beta, state, slots, backend="npu")
+
+
+def test_gdn_sequences_npu_take_npu_chunk_gated_delta_rule(reference_torch_npu, monkeypatch):
+    calls = _spy(monkeypatch, reference_torch_npu, "npu_chunk_gated_delta_rule")
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(9, 2, 128, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(9, 4, 128, generator=gen).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(9, 4, generator=gen))
+    beta = torch.sigmoid(torch.randn(9, 4, generator=gen)).bfloat16()
+    state = (torch.randn(5, 4, 128, 128, generator=gen) * 0.1).bfloat16()
+    cu, slots = torch.tensor([0, 6, 7, 9]), torch.tensor([4, 0, 2])
+    ref_state = state.clone()
+    out = ascend_kernels.gated_delta_rule(q, k, v, g, beta, state, cu, slots,
+                                          use_qk_l2norm=True, backend="npu")
+    ref = ascend_kernels.gated_delta_rule(q, k, v, g, beta, ref_state, cu, slots,
+                                          use_qk_l2norm=True, backend="reference")
+    assert len(calls) == 1 and calls[0]["actual_seq_lengths"].tolist() == [6, 1, 2]
+    assert_close(out, ref, torch.bfloat16, scale=2)
+    torch.testing.assert_close(state.float(), ref_state.float(), atol=2e-2, rtol=2e-2)
+    # A head size the op does not take goes elsewhere, and is refused when forced.
+    with pytest.raises(BackendUnavailable, match="head sizes of 128 only"):
+        ascend_kernels.gated_delta_rule(q[..., :64], k[..., :64], v, g, beta,
+                                        state[..., :64], cu, slots, backend="npu")

@@ -83,3 +83,57 @@ def test_gk_is_not_modelled():
     args = {**_inputs([1]), "scale": 0.5, "ssm_state_indices": torch.tensor([0], dtype=torch.int32)}
     with pytest.raises(NotImplementedError, match="gk"):
         torch_npu.npu_recurrent_gated_delta_rule(**args, gk=torch.zeros(1, NV))
+
+
+def _chunk_inputs(lengths, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    return dict(
+        query=torch.nn.functional.normalize(randn(tokens, 2, 128), dim=-1).bfloat16(),
+        key=torch.nn.functional.normalize(randn(tokens, 2, 128), dim=-1).bfloat16(),
+        value=randn(tokens, 4, 128).bfloat16(),
+        beta=torch.sigmoid(randn(tokens, 4)).bfloat16(),
+        g=torch.nn.functional.logsigmoid(randn(tokens, 4)),
+        initial_state=(randn(len(lengths), 4, 128, 128) * 0.1).bfloat16(),
+        actual_seq_lengths=torch.tensor(lengths, dtype=torch.int32))
+
+
+def test_the_chunk_op_is_the_recurrence_from_each_batchs_initial_state():
+    # Against the recurrent op over the same batches: batch b's first token reads and writes
+    # slot b (its initial state), later tokens write their own slots.
+    args = _chunk_inputs([5, 2])
+    out, final = torch_npu.npu_chunk_gated_delta_rule(**args, scale=0.125)
+    assert out.shape == (7, 4, 128) and final.shape == (2, 4, 128, 128)
+    state = torch.cat([args["initial_state"],
+                       torch.zeros(5, 4, 128, 128, dtype=torch.bfloat16)])
+    recurrent = torch_npu.npu_recurrent_gated_delta_rule(
+        args["query"], args["key"], args["value"], state, beta=args["beta"], g=args["g"],
+        scale=0.125, actual_seq_lengths=args["actual_seq_lengths"],
+        ssm_state_indices=torch.tensor([0, 2, 3, 4, 5, 1, 6], dtype=torch.int32))
+    assert torch.equal(out, recurrent)
+    assert torch.equal(final, state[[5, 6]])
+
+
+def test_the_chunk_op_starts_from_zeros_and_scale_one_by_default():
+    args = _chunk_inputs([3])
+    given = {**args, "initial_state": torch.zeros(1, 4, 128, 128, dtype=torch.bfloat16)}
+    out, final = torch_npu.npu_chunk_gated_delta_rule(**given, scale=1.0)
+    without = {k: v for k, v in args.items() if k != "initial_state"}
+    out_default, final_default = torch_npu.npu_chunk_gated_delta_rule(**without)
+    assert torch.equal(out, out_default) and torch.equal(final, final_default)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"value": torch.zeros(3, 4, 64, dtype=torch.bfloat16)}, "both must be 128"),
+    ({"actual_seq_lengths": torch.tensor([2, 0, 1], dtype=torch.int32)}, "each at least 1"),
+    ({"initial_state": torch.zeros(2, 4, 128, 128, dtype=torch.bfloat16)}, "must be"),
+    ({"beta": torch.zeros(3, 4)}, "beta has dtype torch.float32"),
+])
+def test_what_the_chunk_page_rules_out_is_refused(change, match):
+    args = {**_chunk_inputs([3]), **change}
+    with pytest.raises(RuntimeError, match=match):
+        torch_npu.npu_chunk_gated_delta_rule(**args)

@@ -38,7 +38,8 @@ and their updates, ``ExternalEvent``);
 ``torch_npu.npu_rms_norm`` and ``torch_npu.npu_swiglu``; the norm, quant and
 rotary ops of ``_ops_norm_quant``, the routing ops of ``_ops_routing``, the MC2 token
 exchange of ``_ops_moe_distribute`` (``npu_moe_distribute_dispatch_v2`` / ``_combine_v2``),
-the gated delta-net recurrence of ``_ops_gdn`` (``npu_recurrent_gated_delta_rule``)
+the gated delta-net ops of ``_ops_gdn`` (``npu_recurrent_gated_delta_rule``,
+``npu_chunk_gated_delta_rule``)
 and the weight quantization and grouped-matmul ops of ``_ops_quant``; the paged KV-cache
 write and fused inference attention of ``_ops_attention`` (with the attention's ``.out``
 form and its graph workspace); storage formats (``npu_format_cast``, ``get_npu_format``, ``Format``:
@@ -124,6 +125,7 @@ npu_top_k_top_p = _on_device(_ops_routing.npu_top_k_top_p)
 npu_moe_distribute_dispatch_v2 = _on_device(_ops_moe_distribute.npu_moe_distribute_dispatch_v2)
 npu_moe_distribute_combine_v2 = _on_device(_ops_moe_distribute.npu_moe_distribute_combine_v2)
 npu_recurrent_gated_delta_rule = _on_device(_ops_gdn.npu_recurrent_gated_delta_rule)
+npu_chunk_gated_delta_rule = _on_device(_ops_gdn.npu_chunk_gated_delta_rule)
 
 __version__ = "2.13.0+reference"
 
@@ -136,7 +138,7 @@ __all__ = ["Format", "get_npu_format", "npu_format_cast", "npu", "npu_fusion_att
            "npu_mrope", "npu_quant_matmul", "npu_rotary_mul",
            "npu_moe_gating_top_k", "npu_moe_gating_top_k_softmax",
            "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2", "npu_top_k_top_p",
-           "npu_recurrent_gated_delta_rule",
+           "npu_recurrent_gated_delta_rule", "npu_chunk_gated_delta_rule",
            "npu_convert_weight_to_int4pack", "npu_grouped_matmul", "npu_quantize",
            "npu_trans_quant_param",
            "npu_weight_quant_batchmatmul", "npu_fused_infer_attention_score",

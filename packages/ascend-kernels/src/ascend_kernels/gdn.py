@@ -17,8 +17,9 @@ layout); sequence ``n`` starts from slot ``state_indices[n]`` and leaves its fin
 prefill (its chunked form for long prefills computes the same values in another order).
 
 Backends: the reference (float32, vectorised over heads); Triton (one program per sequence,
-value head and block of V, the state block in registers across the sequence's tokens); for
-the decode form also torch_npu's ``npu_recurrent_gated_delta_rule`` (bfloat16 states).
+value head and block of V, the state block in registers across the sequence's tokens);
+torch_npu: ``npu_chunk_gated_delta_rule`` for sequences and ``npu_recurrent_gated_delta_rule``
+for the decode form (bfloat16 states; ``npu_ops.gdn``).
 """
 
 from __future__ import annotations
@@ -126,15 +127,26 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     vLLM's default state cache holds it) read and written at
     ``state_indices`` (default: slot ``n`` for sequence ``n``). Returns ``[tokens, HV, V]`` in
     ``v``'s dtype; ``scale`` defaults to ``K ** -0.5``."""
-    chosen = resolve_backend("gated_delta_rule", v, (REFERENCE, TRITON), backend)
+    from ascend_kernels.npu_ops.gdn import gated_delta_rule_problem
+
+    sequences, _, _ = _check(q, k, v, g, beta, state, cu_seqlens, state_indices)
+    npu_problem = (gated_delta_rule_problem(q, v, state, cu_seqlens) if sequences
+                   else "no sequences")
+    chosen = resolve_backend("gated_delta_rule", v, (REFERENCE, TRITON, NPU), backend,
+                             {NPU: npu_problem})
     if chosen == REFERENCE:
         return gated_delta_rule_reference(q, k, v, g, beta, state, cu_seqlens, state_indices,
                                           scale, use_qk_l2norm, eps)
-    sequences, _, _ = _check(q, k, v, g, beta, state, cu_seqlens, state_indices)
-    from ascend_kernels.triton_kernels import gdn as triton_gdn
-
     if state_indices is None:
         state_indices = torch.arange(sequences, device=v.device)
+    if chosen == NPU:
+        from ascend_kernels.npu_ops import gdn as npu_gdn
+
+        return npu_gdn.gated_delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices,
+                                        q.shape[-1] ** -0.5 if scale is None else scale,
+                                        use_qk_l2norm, eps)
+    from ascend_kernels.triton_kernels import gdn as triton_gdn
+
     out = torch.empty_like(v)
     triton_gdn.gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(),
                                 g.contiguous(), beta.contiguous(), state,

@@ -1,11 +1,14 @@
-"""The gated delta rule's decode form on torch_npu.
+"""The gated delta rule on torch_npu (pages: Ascend/op-plugin docs/zh/custom_APIs/torch_npu/).
 
-``npu_recurrent_gated_delta_rule`` (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/
-torch_npu-npu_recurrent_gated_delta_rule.md) runs batches of 1 to 8 tokens from a bfloat16
-state cache ``(BlockNum, N_v, D_v, D_k)``: here one token per sequence, its index the
-sequence's slot (read, and written with the new state). It takes bfloat16 q / k / v / beta,
-a float32 log decay ``g`` and int32 lengths and indices, and L2-normalises nothing: q and k
-are normalised here first, as the page's example does.
+- decode: ``npu_recurrent_gated_delta_rule`` runs batches of 1 to 8 tokens from a bfloat16
+  state cache ``(BlockNum, N_v, D_v, D_k)``: here one token per sequence, its index the
+  sequence's slot (read, and written with the new state);
+- prefill: ``npu_chunk_gated_delta_rule`` runs whole sequences from per-sequence initial
+  states ``(B, N_v, D_v, D_k)`` (gathered here from the sequences' slots) and returns their
+  final states (scattered back); D_k = D_v = 128 and at most 64 heads.
+
+Both take bfloat16 q / k / v / beta, a float32 log decay ``g`` and int32 lengths, and
+L2-normalise nothing: q and k are normalised here first, as the pages' examples do.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from ascend_kernels.dispatch import torch_npu_module
 
 _MAX_HEADS = 256
 _MAX_HEAD_DIM = 512
+_CHUNK_MAX_HEADS = 64
+_CHUNK_HEAD_DIM = 128
 
 
 def gated_delta_rule_decode_problem(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
@@ -50,3 +55,31 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices, scale, use_q
         actual_seq_lengths=torch.ones(sequences, dtype=torch.int32, device=q.device),
         ssm_state_indices=state_indices.to(torch.int32),
         g=g.float().contiguous())
+
+
+def gated_delta_rule_problem(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+                             cu_seqlens: torch.Tensor) -> str | None:
+    if q.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or state.dtype != torch.bfloat16:
+        return (f"npu_chunk_gated_delta_rule takes bfloat16 q / k / v and states, got "
+                f"{v.dtype} inputs and a {state.dtype} state")
+    if q.shape[2] != _CHUNK_HEAD_DIM or v.shape[2] != _CHUNK_HEAD_DIM:
+        return f"npu_chunk_gated_delta_rule takes head sizes of {_CHUNK_HEAD_DIM} only"
+    if max(q.shape[1], v.shape[1]) > _CHUNK_MAX_HEADS:
+        return f"npu_chunk_gated_delta_rule takes at most {_CHUNK_MAX_HEADS} heads"
+    if bool((cu_seqlens[1:] <= cu_seqlens[:-1]).any()):
+        return "npu_chunk_gated_delta_rule takes sequences of at least one token"
+    return None
+
+
+def gated_delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices, scale, use_qk_l2norm,
+                     eps) -> torch.Tensor:
+    if use_qk_l2norm:
+        q, k = _l2norm(q, eps), _l2norm(k, eps)
+    slots = state_indices.long()
+    out, final = torch_npu_module().npu_chunk_gated_delta_rule(
+        q.contiguous(), k.contiguous(), v.contiguous(),
+        beta=beta.to(torch.bfloat16).contiguous(), initial_state=state[slots],
+        actual_seq_lengths=(cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32),
+        scale=float(scale), g=g.float().contiguous())
+    state[slots] = final
+    return out
