@@ -7,6 +7,8 @@ import torch
 
 from ascend_kernels.conv import causal_conv1d, causal_conv1d_update
 
+from conftest import assert_close, needs_triton
+
 
 def _inputs(tokens, dim=6, width=4, slots=5, dtype=torch.float32, seed=0):
     generator = torch.Generator().manual_seed(seed)
@@ -99,3 +101,26 @@ def test_bad_inputs_are_named(change, match):
             "cu_seqlens": torch.tensor([0, 3]), **change}
     with pytest.raises(ValueError, match=match):
         causal_conv1d(**args)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("dim", "width"), [(6, 4), (300, 3)])
+def test_triton_matches_reference(dtype, dim, width):
+    x, weight, bias, states = _inputs(12, dim=dim, width=width, slots=6, dtype=dtype, seed=4)
+    cu = torch.tensor([0, 1, 6, 6, 8, 12])  # a one-token sequence, an empty one, short ones
+    slots = torch.tensor([5, 0, 3, 1, 2])
+    has_initial = torch.tensor([True, False, True, True, False])
+    ref_states, tri_states = states.clone(), states.clone()
+    ref = causal_conv1d(x, weight, bias, ref_states, cu, slots, has_initial,
+                        backend="reference")
+    out = causal_conv1d(x, weight, bias, tri_states, cu, slots, has_initial, backend="triton")
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype)
+    torch.testing.assert_close(tri_states, ref_states)
+    ref = causal_conv1d_update(x[:3], weight, None, ref_states, slots[:3], None,
+                               backend="reference")
+    out = causal_conv1d_update(x[:3], weight, None, tri_states, slots[:3], None,
+                               backend="triton")
+    assert_close(out, ref, dtype)
+    torch.testing.assert_close(tri_states, ref_states)

@@ -12,8 +12,9 @@ sequence ``n`` reads and writes slot ``state_indices[n]`` in place, leaving ther
 - ``causal_conv1d_update``: one token per sequence (decode), without host synchronisation,
   so an NPU graph can capture it.
 
-Backends: the reference (float32 sums, the output rounded once to ``x``'s dtype). The
-activation is SiLU (``"silu"`` / ``"swish"``) or none.
+Backends: the reference (float32 sums, the output rounded once to ``x``'s dtype); Triton
+(one program per sequence and block of channels, the window of each token read as one
+tile). The activation is SiLU (``"silu"`` / ``"swish"``) or none.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ascend_kernels.dispatch import REFERENCE, require_float, resolve_backend
+from ascend_kernels.dispatch import REFERENCE, TRITON, require_float, resolve_backend
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -95,9 +96,32 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     at ``state_indices`` (default: slot ``n`` for sequence ``n``) unless
     ``has_initial_state[n]`` is false (zeros), and written there. Returns ``[tokens, dim]``
     in ``x``'s dtype."""
-    resolve_backend("causal_conv1d", x, (REFERENCE,), backend)
-    return causal_conv1d_reference(x, weight, bias, conv_states, cu_seqlens, state_indices,
-                                   has_initial_state, activation)
+    chosen = resolve_backend("causal_conv1d", x, (REFERENCE, TRITON), backend)
+    if chosen == REFERENCE:
+        return causal_conv1d_reference(x, weight, bias, conv_states, cu_seqlens,
+                                       state_indices, has_initial_state, activation)
+    _check("causal_conv1d", x, weight, bias, conv_states, activation)
+    sequences = cu_seqlens.numel() - 1
+    if state_indices is None:
+        state_indices = torch.arange(sequences, device=x.device)
+    if has_initial_state is None:
+        has_initial_state = torch.ones(sequences, dtype=torch.bool, device=x.device)
+    return _triton(x, weight, bias, conv_states, cu_seqlens, state_indices, has_initial_state,
+                   activation)
+
+
+def _triton(x, weight, bias, conv_states, cu_seqlens, state_indices, has_initial_state,
+            activation) -> torch.Tensor:
+    from ascend_kernels.triton_kernels import conv as triton_conv
+
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    triton_conv.causal_conv1d(x, weight.contiguous(), bias, conv_states,
+                              cu_seqlens.contiguous(), state_indices.contiguous(),
+                              has_initial_state.to(torch.int8).contiguous(),
+                              activation is not None, out)
+    return out
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -107,6 +131,12 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """One token per sequence: ``x`` ``[sequences, dim]``, sequence ``n``'s state at slot
     ``state_indices[n]`` (always read: a decode step continues its sequence). Returns
     ``[sequences, dim]`` in ``x``'s dtype; graph-safe."""
-    resolve_backend("causal_conv1d_update", x, (REFERENCE,), backend)
-    return causal_conv1d_update_reference(x, weight, bias, conv_states, state_indices,
-                                          activation)
+    chosen = resolve_backend("causal_conv1d_update", x, (REFERENCE, TRITON), backend)
+    if chosen == REFERENCE:
+        return causal_conv1d_update_reference(x, weight, bias, conv_states, state_indices,
+                                              activation)
+    _check("causal_conv1d_update", x, weight, bias, conv_states, activation)
+    sequences = x.shape[0]
+    cu = torch.arange(sequences + 1, dtype=torch.int32, device=x.device)
+    every = torch.ones(sequences, dtype=torch.bool, device=x.device)
+    return _triton(x, weight, bias, conv_states, cu, state_indices, every, activation)
