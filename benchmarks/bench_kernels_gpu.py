@@ -24,6 +24,12 @@ sequences, one token each, 16 query / key heads and ``hidden / 128`` value heads
 float32 state cache read and written in place; its stored run is
 ``benchmarks/results/kernels_gpu_gdn.*`` (``--ops gated_delta_rule --tokens 1,64,256,1024``).
 
+causal_conv1d_update (the short convolution in front of those heads: their q, k and v
+channels, width 4, SiLU) runs the same decode batches over vLLM's conv state cache layout
+(``[slots, 3, channels]`` viewed as ``[slots, channels, 3]``); its stored run is
+``benchmarks/results/kernels_gpu_conv.*`` (``--ops causal_conv1d_update --out DIR``, the files
+renamed).
+
 mrope (multimodal RoPE, Qwen2.5-VL's T / H / W sections 16 / 24 / 24 of 128-wide heads, the
 heads of rotary_embedding, ``[3, tokens]`` positions) has its stored run in
 ``benchmarks/results/kernels_gpu_mrope.*`` (``--ops mrope --out DIR``, the files renamed).
@@ -78,7 +84,7 @@ DRY_TOKENS = (1, 3)
 DRY_HIDDEN = (64, 96)
 OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "l2norm",
        "dynamic_per_token_quant", "add_rms_norm_quant", "lora_shrink", "lora_expand", "mrope",
-       "gated_delta_rule")
+       "gated_delta_rule", "causal_conv1d_update")
 EPS = 1e-6
 # Goals of issue 6: at LARGE_TOKENS and more, at least as fast as torch.compile and this
 # fraction of copy bandwidth; at SMALL_TOKENS and fewer, no slower than eager.
@@ -86,6 +92,7 @@ LARGE_TOKENS = 4096
 SMALL_TOKENS = 64
 BANDWIDTH_GOAL = 0.8
 LORA_SLOTS, LORA_RANK = 4, 16
+CONV_WIDTH = 4  # Qwen3-Next's linear_conv_kernel_dim
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -178,7 +185,7 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
     import torch
 
     import ascend_kernels as ak
-    from ascend_kernels import activation, gdn, lora, norm, quant, rope
+    from ascend_kernels import activation, conv, gdn, lora, norm, quant, rope
 
     torch.manual_seed(tokens * 31 + hidden)
     elem = dtype.itemsize
@@ -214,6 +221,11 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
                     torch.sigmoid(randn(tokens, gdn_heads[1])), state,
                     torch.arange(tokens + 1, device=device, dtype=torch.int32), slots, None,
                     True)
+        if op == "causal_conv1d_update":  # a decode batch: one token per sequence
+            # vLLM's conv state cache [slots, W - 1, dim], viewed as [slots, dim, W - 1].
+            states = randn(tokens, CONV_WIDTH - 1, conv_dim).transpose(1, 2)
+            return (randn(tokens, conv_dim), randn(conv_dim, CONV_WIDTH, scale=0.5), None,
+                    states, torch.arange(tokens, device=device, dtype=torch.int32), "silu")
         if op == "l2norm":
             return (randn(tokens, hidden), EPS)
         if op == "dynamic_per_token_quant":
@@ -231,6 +243,8 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
     # 4096; twice the value heads at 8192; small heads in the dry run).
     gdn_dim = 128 if hidden >= 1024 else 16
     gdn_heads = (16, hidden // 128) if hidden >= 1024 else (2, 4)
+    # The conv in front of those heads: q, k and v channels together.
+    conv_dim = (2 * gdn_heads[0] + gdn_heads[1]) * gdn_dim
     # Qwen2.5-VL's T / H / W pairs for 128-wide heads (scaled down for the dry-run heads).
     mrope_section = (16, 24, 24) if head_size == 128 else (2, 3, 3)
     token_lora = torch.arange(tokens, device=device) % (LORA_SLOTS + 1) - 1
@@ -262,6 +276,11 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
                              tokens * gdn_heads[1] * gdn_dim * gdn_dim * 4 * 2
                              + tokens * (2 * gdn_heads[0] + 2 * gdn_heads[1]) * gdn_dim * elem
                              + tokens * gdn_heads[1] * 2 * elem, float_close),
+        "causal_conv1d_update": (lambda a: ak.causal_conv1d_update(*a, backend="triton"),
+                                 conv.causal_conv1d_update_reference,
+                                 # x read, out written, the states read and written, weights
+                                 tokens * conv_dim * elem * (2 + 2 * (CONV_WIDTH - 1))
+                                 + conv_dim * CONV_WIDTH * elem, float_close),
         "l2norm": (lambda a: ak.l2norm(*a, backend="triton"), norm.l2norm_reference,
                    2 * rows * elem, float_close),
         "dynamic_per_token_quant": (lambda a: ak.dynamic_per_token_quant(*a, backend="triton"),
