@@ -58,7 +58,11 @@ class AscendQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     """vLLM's layer with its core on ascend-kernels (see the module docstring)."""
 
     def __init__(self, config, vllm_config, *args, **kwargs) -> None:
-        refuse_speculation(vllm_config.speculative_config)
+        from vllm.platforms import current_platform
+
+        # The host target keeps vLLM's CPU path (forward_cpu), which verifies drafts.
+        if not current_platform.is_cpu():
+            refuse_speculation(vllm_config.speculative_config)
         super().__init__(config, vllm_config, *args, **kwargs)
 
     def _forward_core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
