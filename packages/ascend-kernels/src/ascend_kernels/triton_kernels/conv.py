@@ -19,6 +19,21 @@ BLOCK_D = 128
 
 
 @triton.jit
+def _inputs_at(x_ptr, state_base, position, valid, start, has_initial, channels,
+               channel_mask, x_row_stride, state_col_stride, WIDTH: tl.constexpr):
+    """The ``[BLOCK, BLOCK_W]`` inputs at ``position`` (float32): from ``x`` from the
+    sequence's start on, before it from the conv state (zeros without one)."""
+    in_x = (position >= start) & valid
+    in_state = (position < start) & valid & has_initial
+    from_x = tl.load(x_ptr + position[None, :] * x_row_stride + channels[:, None],
+                     mask=channel_mask[:, None] & in_x[None, :], other=0.0)
+    column = (WIDTH - 1) - (start - position)
+    from_state = tl.load(state_base + column[None, :] * state_col_stride,
+                         mask=channel_mask[:, None] & in_state[None, :], other=0.0)
+    return tl.where(in_x[None, :], from_x.to(tl.float32), from_state.to(tl.float32))
+
+
+@triton.jit
 def _causal_conv1d_kernel(
     x_ptr, weight_ptr, bias_ptr, state_ptr, cu_ptr, index_ptr, initial_ptr, out_ptr,
     x_row_stride, state_slot_stride, state_dim_stride, state_col_stride,
@@ -49,15 +64,9 @@ def _causal_conv1d_kernel(
 
     for t in range(start, end):
         # Window position j holds input t - (W - 1) + j.
-        position = t - (WIDTH - 1) + taps
-        in_x = (position >= start) & tap_mask
-        in_state = (position < start) & tap_mask & has_initial
-        from_x = tl.load(x_ptr + position[None, :] * x_row_stride + channels[:, None],
-                         mask=channel_mask[:, None] & in_x[None, :], other=0.0)
-        column = (WIDTH - 1) - (start - position)
-        from_state = tl.load(state_base + column[None, :] * state_col_stride,
-                             mask=channel_mask[:, None] & in_state[None, :], other=0.0)
-        window = tl.where(in_x[None, :], from_x.to(tl.float32), from_state.to(tl.float32))
+        window = _inputs_at(x_ptr, state_base, t - (WIDTH - 1) + taps, tap_mask, start,
+                            has_initial, channels, channel_mask, x_row_stride,
+                            state_col_stride, WIDTH)
         acc = tl.sum(window * weight, 1)
         if HAS_BIAS:
             acc = acc + bias
@@ -67,16 +76,10 @@ def _causal_conv1d_kernel(
                  mask=channel_mask)
 
     # The new state: the last W - 1 inputs, state column j holding input end - (W - 1) + j.
-    position = end - (WIDTH - 1) + taps
     keep = taps < WIDTH - 1
-    in_x = (position >= start) & keep
-    in_state = (position < start) & keep & has_initial
-    from_x = tl.load(x_ptr + position[None, :] * x_row_stride + channels[:, None],
-                     mask=channel_mask[:, None] & in_x[None, :], other=0.0)
-    column = (WIDTH - 1) - (start - position)
-    from_state = tl.load(state_base + column[None, :] * state_col_stride,
-                         mask=channel_mask[:, None] & in_state[None, :], other=0.0)
-    new_state = tl.where(in_x[None, :], from_x.to(tl.float32), from_state.to(tl.float32))
+    new_state = _inputs_at(x_ptr, state_base, end - (WIDTH - 1) + taps, keep, start,
+                           has_initial, channels, channel_mask, x_row_stride,
+                           state_col_stride, WIDTH)
     tl.store(state_base + taps[None, :] * state_col_stride,
              new_state.to(state_ptr.dtype.element_ty),
              mask=channel_mask[:, None] & keep[None, :])
