@@ -1,12 +1,12 @@
 """Triton kernel of the causal depthwise conv1d with per-sequence state (``ascend_kernels.conv``).
 
-One program per (sequence, block of ``BLOCK_D`` channels). For each of the sequence's tokens
-it reads the window of ``W`` inputs ending there as a ``[BLOCK_D, W]`` tile: positions from
-the sequence's start come from ``x``, earlier ones from the slot's conv state (zeros for a
-sequence without one); the output is the tile's weighted row sums plus bias, SiLU applied.
-Then it reads the sequence's last ``W - 1`` inputs the same way and writes them as the new
-state (all reads of the old state come before that write). A decode step is a sequence of
-one token.
+One program per (sequence, block of up to ``MAX_BLOCK_D`` channels). For each of the
+sequence's tokens it reads the window of ``W`` inputs ending there as a ``[block, W]`` tile:
+positions from the sequence's start come from ``x``, earlier ones from the slot's conv state
+(zeros for a sequence without one); the output is the tile's weighted row sums plus bias,
+SiLU applied. Then it reads the sequence's last ``W - 1`` inputs the same way and writes them
+as the new state (all reads of the old state come before that write). A decode step is a
+sequence of one token.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_D = 128
+# Channels per program: 1024 (on an H100, decode batches of 256+ sequences: 0.56-0.77 of
+# copy bandwidth, where 128 reached 0.2; benchmarks/results/kernels_gpu_conv.md).
+MAX_BLOCK_D = 1024
 
 
 @triton.jit
@@ -95,10 +97,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     dim, width = weight.shape
     if sequences == 0:
         return
-    grid = (sequences, triton.cdiv(dim, BLOCK_D))
+    block = min(MAX_BLOCK_D, triton.next_power_of_2(dim))
+    grid = (sequences, triton.cdiv(dim, block))
     _causal_conv1d_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_states, cu_seqlens,
         state_indices, has_initial_state, out,
         x.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
-        DIM=dim, WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK=BLOCK_D,
+        DIM=dim, WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK=block,
         HAS_BIAS=bias is not None, SILU=silu)
