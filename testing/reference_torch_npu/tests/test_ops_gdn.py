@@ -5,8 +5,6 @@ own index, the initial state taken at num_accepted_tokens, and what the page rul
 import pytest
 import torch
 
-import torch_npu
-
 NK, NV, DK, DV = 2, 4, 16, 8
 
 
@@ -46,7 +44,7 @@ def _by_hand(args, indices, accepted, scale):
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_the_op_is_its_formula(speculative):
+def test_the_op_is_its_formula(torch_npu, speculative):
     lengths = [3, 1, 4] if speculative else [1, 1, 1]
     args = _inputs(lengths)
     indices = [5, 6, 7, 2, 8, 9, 10, 11] if speculative else [4, 0, 9]
@@ -72,14 +70,14 @@ def test_the_op_is_its_formula(speculative):
     ({"state": torch.zeros(2, NV, DV, DK, dtype=torch.bfloat16)}, "BlockNum=2 must be at least"),
     ({"value": torch.zeros(3, 3, DV, dtype=torch.bfloat16)}, "N_v a multiple of N_k"),
 ])
-def test_what_the_page_rules_out_is_refused(change, match):
+def test_what_the_page_rules_out_is_refused(torch_npu, change, match):
     args = {**_inputs([1, 1, 1]), "scale": 0.5,
             "ssm_state_indices": torch.tensor([0, 1, 2], dtype=torch.int32), **change}
     with pytest.raises(RuntimeError, match=match):
         torch_npu.npu_recurrent_gated_delta_rule(**args)
 
 
-def test_gk_is_not_modelled():
+def test_gk_is_not_modelled(torch_npu):
     args = {**_inputs([1]), "scale": 0.5, "ssm_state_indices": torch.tensor([0], dtype=torch.int32)}
     with pytest.raises(NotImplementedError, match="gk"):
         torch_npu.npu_recurrent_gated_delta_rule(**args, gk=torch.zeros(1, NV))
@@ -102,7 +100,7 @@ def _chunk_inputs(lengths, seed=1):
         actual_seq_lengths=torch.tensor(lengths, dtype=torch.int32))
 
 
-def test_the_chunk_op_is_the_recurrence_from_each_batchs_initial_state():
+def test_the_chunk_op_is_the_recurrence_from_each_batchs_initial_state(torch_npu):
     # Against the recurrent op over the same batches: batch b's first token reads and writes
     # slot b (its initial state), later tokens write their own slots.
     args = _chunk_inputs([5, 2])
@@ -118,7 +116,7 @@ def test_the_chunk_op_is_the_recurrence_from_each_batchs_initial_state():
     assert torch.equal(final, state[[5, 6]])
 
 
-def test_the_chunk_op_starts_from_zeros_and_scale_one_by_default():
+def test_the_chunk_op_starts_from_zeros_and_scale_one_by_default(torch_npu):
     args = _chunk_inputs([3])
     given = {**args, "initial_state": torch.zeros(1, 4, 128, 128, dtype=torch.bfloat16)}
     out, final = torch_npu.npu_chunk_gated_delta_rule(**given, scale=1.0)
@@ -133,7 +131,7 @@ def test_the_chunk_op_starts_from_zeros_and_scale_one_by_default():
     ({"initial_state": torch.zeros(2, 4, 128, 128, dtype=torch.bfloat16)}, "must be"),
     ({"beta": torch.zeros(3, 4)}, "beta has dtype torch.float32"),
 ])
-def test_what_the_chunk_page_rules_out_is_refused(change, match):
+def test_what_the_chunk_page_rules_out_is_refused(torch_npu, change, match):
     args = {**_chunk_inputs([3]), **change}
     with pytest.raises(RuntimeError, match=match):
         torch_npu.npu_chunk_gated_delta_rule(**args)
