@@ -145,14 +145,18 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return npu_gdn.gated_delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices,
                                         q.shape[-1] ** -0.5 if scale is None else scale,
                                         use_qk_l2norm, eps)
+    return _triton(q, k, v, g, beta, state, cu_seqlens, state_indices,
+                   q.shape[-1] ** -0.5 if scale is None else scale, use_qk_l2norm, eps)
+
+
+def _triton(q, k, v, g, beta, state, cu_seqlens, state_indices, scale, use_qk_l2norm, eps):
     from ascend_kernels.triton_kernels import gdn as triton_gdn
 
     out = torch.empty_like(v)
     triton_gdn.gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(),
                                 g.contiguous(), beta.contiguous(), state,
                                 cu_seqlens.contiguous(), state_indices.contiguous(), out,
-                                q.shape[-1] ** -0.5 if scale is None else scale,
-                                use_qk_l2norm, eps)
+                                scale, use_qk_l2norm, eps)
     return out
 
 
@@ -180,5 +184,5 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if chosen == REFERENCE:
         return gated_delta_rule_decode_reference(q, k, v, g, beta, state, cu, state_indices,
                                                  scale, use_qk_l2norm, eps)
-    return gated_delta_rule(q, k, v, g, beta, state, cu, state_indices, scale, use_qk_l2norm,
-                            eps, backend=TRITON)
+    # Straight to the kernel: gated_delta_rule's npu check reads the lengths on the host.
+    return _triton(q, k, v, g, beta, state, cu, state_indices, scale, use_qk_l2norm, eps)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ascend_kernels.dispatch import torch_npu_module
+from ascend_kernels.norm import l2norm
 
 _MAX_HEADS = 256
 _MAX_HEAD_DIM = 512
@@ -39,15 +40,10 @@ def gated_delta_rule_decode_problem(q: torch.Tensor, v: torch.Tensor, state: tor
     return None
 
 
-def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return (x32 / torch.sqrt((x32 * x32).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm,
                             eps) -> torch.Tensor:
     if use_qk_l2norm:
-        q, k = _l2norm(q, eps), _l2norm(k, eps)
+        q, k = l2norm(q, eps), l2norm(k, eps)
     sequences = q.shape[0]
     return torch_npu_module().npu_recurrent_gated_delta_rule(
         q.contiguous(), k.contiguous(), v.contiguous(), state,
@@ -74,7 +70,7 @@ def gated_delta_rule_problem(q: torch.Tensor, v: torch.Tensor, state: torch.Tens
 def gated_delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices, scale, use_qk_l2norm,
                      eps) -> torch.Tensor:
     if use_qk_l2norm:
-        q, k = _l2norm(q, eps), _l2norm(k, eps)
+        q, k = l2norm(q, eps), l2norm(k, eps)
     slots = state_indices.long()
     out, final = torch_npu_module().npu_chunk_gated_delta_rule(
         q.contiguous(), k.contiguous(), v.contiguous(),
