@@ -5,7 +5,7 @@ whole), the decode form equal to one-token sequences of the general one, bad inp
 import pytest
 import torch
 
-from ascend_kernels.conv import causal_conv1d, causal_conv1d_update
+from ascend_kernels.conv import causal_conv1d, causal_conv1d_update, causal_conv1d_verify
 
 from conftest import assert_close, needs_triton
 
@@ -124,3 +124,49 @@ def test_triton_matches_reference(dtype, dim, width):
                                backend="triton")
     assert_close(out, ref, dtype)
     torch.testing.assert_close(tri_states, ref_states)
+
+
+def _verify_by_hand(x, weight, bias, buffer, accepted):
+    """One sequence's verification step over its rolling buffer ([dim, state_len]): the
+    window starts at column ``accepted - 1``; returns the outputs and the new buffer."""
+    width = weight.shape[1]
+    history = buffer[:, accepted - 1:accepted - 1 + width - 1]
+    out, _ = _by_hand(x, weight, bias, history, silu=True)
+    rolled = buffer.clone()
+    rolled[:, :width - 2 + x.shape[0]] = torch.cat([history[:, 1:], x.T], dim=1)
+    return out, rolled
+
+
+def test_verify_form_is_the_rolling_buffer_written_out():
+    width, drafts = 4, 3
+    x, weight, bias, _ = _inputs(4 + 2 + 1, width=width)
+    generator = torch.Generator().manual_seed(3)
+    states = torch.randn(5, width - 1 + drafts, 6, generator=generator).transpose(1, 2)
+    cu = torch.tensor([0, 4, 6, 6, 7])  # a sequence of 4 tokens, of 2, none, of 1
+    slots = torch.tensor([3, 0, 1, 4])
+    accepted = torch.tensor([2, 4, 1, 1])
+    got_states = states.clone()
+    got = causal_conv1d_verify(x, weight, bias, got_states, cu, slots, accepted)
+    want_states = states.clone()
+    for n in (0, 1, 3):
+        rows = slice(int(cu[n]), int(cu[n + 1]))
+        out, want_states[slots[n]] = _verify_by_hand(x[rows], weight, bias,
+                                                     states[slots[n]], int(accepted[n]))
+        torch.testing.assert_close(got[rows].double(), out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_states, want_states)  # slot 1 (no tokens) untouched
+
+
+def test_verify_steps_equal_decoding_the_accepted_tokens():
+    # Step 1 verifies 4 tokens from a prefill's state; 2 are accepted. Step 2's first token
+    # must see the same window as decoding those 2 tokens and then it, one at a time.
+    width, drafts = 4, 3
+    x, weight, bias, states = _inputs(8, width=width)
+    buffer = torch.zeros(1, 6, width - 1 + drafts)
+    buffer[0, :, :width - 1] = states[0]
+    slot, cu = torch.tensor([0]), torch.tensor([0, 4])
+    causal_conv1d_verify(x[:4], weight, bias, buffer, cu, slot, torch.tensor([1]))
+    second = causal_conv1d_verify(x[4:], weight, bias, buffer, cu, slot, torch.tensor([2]))
+    decode_state = states[:1].clone()
+    for t in (0, 1, 4):
+        last = causal_conv1d_update(x[t:t + 1], weight, bias, decode_state, slot)
+    torch.testing.assert_close(second[:1], last)

@@ -140,3 +140,26 @@ def test_triton_reads_padded_low_precision_slots():
     assert_close(out, ref, torch.bfloat16, scale=2)
     torch.testing.assert_close(view.float(), ref_state.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(padded[:, state[0].numel():], torch.zeros(5, 40, dtype=torch.bfloat16))
+
+
+def test_verify_writes_each_tokens_state_and_resumes_after_the_accepted_ones():
+    from ascend_kernels.gdn import gated_delta_rule_verify
+
+    # Two sequences of 3 and 2 tokens, state rows of 3 slots each; the first resumes from
+    # its second slot (2 accepted last step), the second from its first.
+    q, k, v, g, beta, state, cu = _inputs([3, 2], slots=8)
+    rows = torch.tensor([[5, 1, 6], [2, 7, 0]])
+    accepted = torch.tensor([2, 1])
+    got_state = state.clone()
+    got = gated_delta_rule_verify(q, k, v, g, beta, got_state, cu, rows, accepted,
+                                  use_qk_l2norm=True)
+    for n, start in ((0, int(rows[0, 1])), (1, int(rows[1, 0]))):
+        lo, hi = int(cu[n]), int(cu[n + 1])
+        for t in range(lo, hi):  # the state after each token sits in its own slot
+            scratch = state[[start]].clone()
+            out = gated_delta_rule_reference(q[lo:t + 1], k[lo:t + 1], v[lo:t + 1],
+                                             g[lo:t + 1], beta[lo:t + 1], scratch,
+                                             torch.tensor([0, t + 1 - lo]), None, None, True)
+            torch.testing.assert_close(got[t], out[-1])
+            torch.testing.assert_close(got_state[rows[n, t - lo]], scratch[0])
+    torch.testing.assert_close(got_state[[3, 4]], state[[3, 4]])  # slots no row names

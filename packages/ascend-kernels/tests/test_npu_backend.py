@@ -276,3 +276,28 @@ def test_gdn_sequences_npu_take_npu_chunk_gated_delta_rule(reference_torch_npu, 
     with pytest.raises(BackendUnavailable, match="head sizes of 128 only"):
         ascend_kernels.gated_delta_rule(q[..., :64], k[..., :64], v, g, beta,
                                         state[..., :64], cu, slots, backend="npu")
+
+
+def test_gdn_verify_npu_takes_npu_recurrent_gated_delta_rule(reference_torch_npu, monkeypatch):
+    # Speculative verification: each token's state slot and where each sequence resumes
+    # (num_accepted_tokens) go to the op as its per-token indices.
+    calls = _spy(monkeypatch, reference_torch_npu, "npu_recurrent_gated_delta_rule")
+    gen = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(5, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(5, 4, 32, generator=gen).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(5, 4, generator=gen))
+    beta = torch.sigmoid(torch.randn(5, 4, generator=gen)).bfloat16()
+    state = (torch.randn(9, 4, 32, 64, generator=gen) * 0.1).bfloat16()
+    cu, rows = torch.tensor([0, 3, 5]), torch.tensor([[5, 1, 6], [2, 7, 8]])
+    accepted = torch.tensor([3, 1])
+    ref_state = state.clone()
+    out = ascend_kernels.gated_delta_rule_verify(q, k, v, g, beta, state, cu, rows, accepted,
+                                                 use_qk_l2norm=True, backend="npu")
+    ref = ascend_kernels.gated_delta_rule_verify(q, k, v, g, beta, ref_state, cu, rows,
+                                                 accepted, use_qk_l2norm=True,
+                                                 backend="reference")
+    (call,) = calls
+    assert call["ssm_state_indices"].tolist() == [5, 1, 6, 2, 7]
+    assert call["num_accepted_tokens"].tolist() == [3, 1]
+    assert_close(out, ref, torch.bfloat16, scale=2)
+    torch.testing.assert_close(state.float(), ref_state.float(), atol=2e-2, rtol=2e-2)

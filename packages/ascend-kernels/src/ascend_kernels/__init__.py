@@ -10,16 +10,17 @@ Modules: ``norm`` (rms_norm, add_rms_norm, l2norm), ``activation``
 (topk_softmax, grouped_topk), ``sampling`` (apply_top_k_top_p, apply_penalties) and
 ``rejection`` (the rejection-sampling kernels of speculative decoding), ``lora``
 (lora_shrink, lora_expand: multi-LoRA batches), ``gdn`` (gated_delta_rule,
-gated_delta_rule_decode: the linear attention of gated delta-net layers) and ``conv``
-(causal_conv1d, causal_conv1d_update: their short convolution with its state); their Triton
+gated_delta_rule_decode, gated_delta_rule_verify: the linear attention of gated delta-net
+layers) and ``conv`` (causal_conv1d, causal_conv1d_update, causal_conv1d_verify: their short
+convolution with its state); their Triton
 kernels live in ``triton_kernels`` and their torch_npu calls in ``npu_ops``.
 """
 
 from ascend_kernels.__about__ import __version__
 from ascend_kernels.activation import silu_and_mul
-from ascend_kernels.conv import causal_conv1d, causal_conv1d_update
+from ascend_kernels.conv import causal_conv1d, causal_conv1d_update, causal_conv1d_verify
 from ascend_kernels.dispatch import BACKENDS, BackendUnavailable, resolve_backend
-from ascend_kernels.gdn import gated_delta_rule, gated_delta_rule_decode
+from ascend_kernels.gdn import gated_delta_rule, gated_delta_rule_decode, gated_delta_rule_verify
 from ascend_kernels.lora import lora_expand, lora_shrink
 from ascend_kernels.moe import moe_experts
 from ascend_kernels.norm import add_rms_norm, l2norm, rms_norm
@@ -48,10 +49,12 @@ __all__ = [
     "apply_top_k_top_p",
     "causal_conv1d",
     "causal_conv1d_update",
+    "causal_conv1d_verify",
     "dynamic_per_token_quant",
     "generate_recovery_noise",
     "gated_delta_rule",
     "gated_delta_rule_decode",
+    "gated_delta_rule_verify",
     "generate_uniform_probs",
     "grouped_topk",
     "l2norm",

@@ -10,7 +10,9 @@ sequence ``n`` reads and writes slot ``state_indices[n]`` in place, leaving ther
 
 - ``causal_conv1d``: variable-length sequences (prefill, chunked prefill);
 - ``causal_conv1d_update``: one token per sequence (decode), without host synchronisation,
-  so an NPU graph can capture it.
+  so an NPU graph can capture it;
+- ``causal_conv1d_verify``: a step of speculative verification (a few tokens per sequence)
+  over a wider state that lets the next step start after the last accepted draft token.
 
 Backends: the reference (float32 sums, the output rounded once to ``x``'s dtype); Triton
 (one program per sequence and block of channels, the window of each token read as one
@@ -27,7 +29,7 @@ from ascend_kernels.dispatch import REFERENCE, TRITON, require_float, resolve_ba
 ACTIVATIONS = (None, "silu", "swish")
 
 
-def _check(op, x, weight, bias, conv_states, activation) -> None:
+def _check(op, x, weight, bias, conv_states, activation, min_state_len=None) -> None:
     require_float(op, "x", x)
     if x.dim() != 2:
         raise ValueError(f"{op}: x must be [tokens, dim], got {tuple(x.shape)}")
@@ -38,9 +40,14 @@ def _check(op, x, weight, bias, conv_states, activation) -> None:
     if bias is not None and bias.shape != (dim,):
         raise ValueError(f"{op}: bias must be [dim={dim}], got {tuple(bias.shape)}")
     width = weight.shape[1]
-    if conv_states.dim() != 3 or conv_states.shape[1:] != (dim, width - 1):
+    if min_state_len is None and (conv_states.dim() != 3
+                                  or conv_states.shape[1:] != (dim, width - 1)):
         raise ValueError(f"{op}: conv_states must be [slots, dim={dim}, width - 1="
                          f"{width - 1}], got {tuple(conv_states.shape)}")
+    if min_state_len is not None and (conv_states.dim() != 3 or conv_states.shape[1] != dim
+                                      or conv_states.shape[2] < min_state_len):
+        raise ValueError(f"{op}: conv_states must be [slots, dim={dim}, state_len >= "
+                         f"{min_state_len}], got {tuple(conv_states.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
 
@@ -140,3 +147,51 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     cu = torch.arange(sequences + 1, dtype=torch.int32, device=x.device)
     every = torch.ones(sequences, dtype=torch.bool, device=x.device)
     return _triton(x, weight, bias, conv_states, cu, state_indices, every, activation)
+
+
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                         state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
+                         activation: str | None = "silu") -> torch.Tensor:
+    """A speculative verification step: sequence ``n`` holds the rows
+    ``cu_seqlens[n]:cu_seqlens[n + 1]`` of ``x`` (its last token and its drafts; ``x`` holds
+    exactly ``cu_seqlens[-1]`` rows) and its state is the slot ``state_indices[n]`` of a cache
+    ``[slots, dim, state_len]`` with ``state_len >= W - 2 + `` the longest query.
+
+    The state is a rolling buffer (vLLM's layout under speculative decoding): the previous
+    step left ``W - 2`` inputs of history and then its ``q`` tokens, of which
+    ``num_accepted_tokens[n]`` were accepted, so this step's window starts at column
+    ``num_accepted_tokens[n] - 1``. Afterwards the buffer holds the last ``W - 2`` inputs of
+    that window and this step's tokens (columns past them untouched; a sequence without
+    tokens keeps its buffer). Plain torch, vectorised over tokens, no host synchronisation
+    (graph-safe). Returns ``[tokens, dim]`` in ``x``'s dtype."""
+    width = weight.shape[1]
+    _check("causal_conv1d_verify", x, weight, bias, conv_states, activation,
+           min_state_len=width - 1)
+    device, tokens = x.device, x.shape[0]
+    if cu_seqlens.numel() < 2:
+        return torch.empty_like(x)
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    slots = state_indices.to(device=device, dtype=torch.long)
+    history_start = num_accepted_tokens.to(device=device, dtype=torch.long) - 1
+    token = torch.arange(tokens, device=device)
+    seq = torch.bucketize(token, cu[1:], right=True).clamp(max=cu.numel() - 2)
+    pos = token - cu[seq]
+    # The window of token i is columns pos..pos+W-1 of [history (W - 1), tokens]: column c
+    # comes from the state (c < W - 1) or from token i + j - (W - 1).
+    taps = torch.arange(width, device=device)
+    column = pos[:, None] + taps  # [tokens, W]
+    from_state = column < width - 1
+    state_column = (history_start[seq][:, None] + column).clamp(max=conv_states.shape[2] - 1)
+    state_part = conv_states[slots[seq][:, None], :, state_column]  # [tokens, W, dim]
+    x_part = x[(token[:, None] + taps - (width - 1)).clamp(min=0)]  # [tokens, W, dim]
+    window = torch.where(from_state[..., None], state_part.float(), x_part.float())
+    out = _finish((window * weight.float().T).sum(1), bias, activation).to(x.dtype)
+    # Roll: columns 0..W-3 take the window's history after its first input, then the tokens.
+    keep = torch.arange(width - 2, device=device)
+    shifted = conv_states[slots[:, None], :, history_start[:, None] + 1 + keep]
+    unchanged = conv_states[slots[:, None], :, keep]
+    has_tokens = (cu[1:] > cu[:-1])[:, None, None]
+    conv_states[slots[:, None], :, keep] = torch.where(has_tokens, shifted, unchanged)
+    conv_states[slots[seq], :, width - 2 + pos] = x.to(conv_states.dtype)
+    return out

@@ -20,6 +20,14 @@ Backends: the reference (float32, vectorised over heads); Triton (one program pe
 value head and block of V, the state block in registers across the sequence's tokens);
 torch_npu: ``npu_chunk_gated_delta_rule`` for sequences and ``npu_recurrent_gated_delta_rule``
 for the decode form (bfloat16 states; ``npu_ops.gdn``).
+
+``gated_delta_rule_verify`` is the speculative-verification form (vLLM's layout): sequence
+``n`` has a row of state slots ``state_indices[n]``, starts from the slot of the last token
+the previous step accepted (column ``num_accepted_tokens[n] - 1``) and writes the state after
+its ``t``-th token to column ``t``, so the next step finds the state after whichever draft
+was accepted last. Reference (vectorised, no host synchronisation) and torch_npu
+(``npu_recurrent_gated_delta_rule``, whose per-token state indices and
+``num_accepted_tokens`` are this layout).
 """
 
 from __future__ import annotations
@@ -186,3 +194,66 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                  scale, use_qk_l2norm, eps)
     # Straight to the kernel: gated_delta_rule's npu check reads the lengths on the host.
     return _triton(q, k, v, g, beta, state, cu, state_indices, scale, use_qk_l2norm, eps)
+
+
+def gated_delta_rule_verify_reference(q, k, v, g, beta, state, cu_seqlens, state_indices,
+                                      num_accepted_tokens, scale, use_qk_l2norm, eps):
+    group = v.shape[1] // q.shape[1]
+    tokens, sequences, columns = q.shape[0], state_indices.shape[0], state_indices.shape[1]
+    cu = cu_seqlens.long()
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    slots = state_indices.long()
+    first = slots.gather(1, (num_accepted_tokens.long() - 1)[:, None]).squeeze(1)
+    s = state[first].float()
+    outputs = torch.zeros((sequences, columns, *v.shape[1:]), dtype=torch.float32,
+                          device=v.device)
+    for step in range(columns):
+        active = (lengths > step)[:, None, None, None]
+        t = (starts + step).clamp(max=tokens - 1)
+        stepped, outputs[:, step] = _step(s, q[t], k[t], v[t], g[t], beta[t], group, scale,
+                                          use_qk_l2norm, eps)
+        s = torch.where(active, stepped, s)
+        target = slots[:, step]
+        state[target] = torch.where(active, s, state[target].float()).to(state.dtype)
+    token = torch.arange(tokens, device=v.device)
+    seq = torch.bucketize(token, cu[1:], right=True).clamp(max=sequences - 1)
+    return outputs[seq, (token - cu[seq]).clamp(max=columns - 1)].to(v.dtype)
+
+
+def gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                            cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+                            num_accepted_tokens: torch.Tensor, scale: float | None = None,
+                            use_qk_l2norm: bool = False, eps: float = DEFAULT_EPS, *,
+                            backend: str | None = None) -> torch.Tensor:
+    """A speculative verification step (see the module docstring): sequence ``n`` holds the
+    rows ``cu_seqlens[n]:cu_seqlens[n + 1]`` (at most ``state_indices.shape[1]``; ``q``
+    holds exactly ``cu_seqlens[-1]`` rows), ``state_indices`` ``[sequences, columns]`` its
+    slots, ``num_accepted_tokens`` ``[sequences]`` (1 or more) the previous step's accepted
+    count. Returns ``[tokens, HV, V]`` in ``v``'s dtype."""
+    from ascend_kernels.npu_ops.gdn import gated_delta_rule_verify_problem
+
+    sequences = cu_seqlens.numel() - 1
+    _check(q, k, v, g, beta, state, cu_seqlens, None)
+    if (state_indices.dim() != 2 or state_indices.shape[0] != sequences
+            or state_indices.dtype.is_floating_point):
+        raise ValueError(f"gated_delta_rule_verify: state_indices must be [sequences="
+                         f"{sequences}, columns] integers, got {state_indices.dtype} "
+                         f"{tuple(state_indices.shape)}")
+    if num_accepted_tokens.shape != (sequences,):
+        raise ValueError(f"gated_delta_rule_verify: num_accepted_tokens must be [sequences="
+                         f"{sequences}], got {tuple(num_accepted_tokens.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if sequences == 0 or q.shape[0] == 0:
+        return torch.empty_like(v)
+    chosen = resolve_backend("gated_delta_rule_verify", v, (REFERENCE, NPU), backend,
+                             {NPU: gated_delta_rule_verify_problem(q, v, state, state_indices)})
+    if chosen == NPU:
+        from ascend_kernels.npu_ops import gdn as npu_gdn
+
+        return npu_gdn.gated_delta_rule_verify(q, k, v, g, beta, state, cu_seqlens,
+                                               state_indices, num_accepted_tokens, scale,
+                                               use_qk_l2norm, eps)
+    return gated_delta_rule_verify_reference(q, k, v, g, beta, state, cu_seqlens,
+                                             state_indices, num_accepted_tokens, scale,
+                                             use_qk_l2norm, eps)

@@ -3,6 +3,8 @@
 - decode: ``npu_recurrent_gated_delta_rule`` runs batches of 1 to 8 tokens from a bfloat16
   state cache ``(BlockNum, N_v, D_v, D_k)``: here one token per sequence, its index the
   sequence's slot (read, and written with the new state);
+- speculative verification: the same op, each token's index the state slot its sequence
+  keeps for that position, and ``num_accepted_tokens`` (where each sequence starts);
 - prefill: ``npu_chunk_gated_delta_rule`` runs whole sequences from per-sequence initial
   states ``(B, N_v, D_v, D_k)`` (gathered here from the sequences' slots) and returns their
   final states (scattered back); D_k = D_v = 128 and at most 64 heads.
@@ -79,3 +81,30 @@ def gated_delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices, scale, 
         scale=float(scale), g=g.float().contiguous())
     state[slots] = final
     return out
+
+
+_RECURRENT_MAX_TOKENS = 8  # per batch (sequence): the page's limit
+
+
+def gated_delta_rule_verify_problem(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+                                    state_indices: torch.Tensor) -> str | None:
+    if state_indices.shape[1] > _RECURRENT_MAX_TOKENS:
+        return (f"npu_recurrent_gated_delta_rule takes at most {_RECURRENT_MAX_TOKENS} tokens "
+                f"per sequence, the state rows have {state_indices.shape[1]}")
+    return gated_delta_rule_decode_problem(q, v, state)
+
+
+def gated_delta_rule_verify(q, k, v, g, beta, state, cu_seqlens, state_indices,
+                            num_accepted_tokens, scale, use_qk_l2norm, eps) -> torch.Tensor:
+    if use_qk_l2norm:
+        q, k = l2norm(q, eps), l2norm(k, eps)
+    cu = cu_seqlens.long()
+    token = torch.arange(q.shape[0], device=q.device)
+    seq = torch.bucketize(token, cu[1:], right=True)
+    per_token = state_indices[seq, token - cu[seq]]
+    return torch_npu_module().npu_recurrent_gated_delta_rule(
+        q.contiguous(), k.contiguous(), v.contiguous(), state,
+        beta=beta.to(torch.bfloat16).contiguous(), scale=float(scale),
+        actual_seq_lengths=(cu[1:] - cu[:-1]).to(torch.int32),
+        ssm_state_indices=per_token.to(torch.int32),
+        num_accepted_tokens=num_accepted_tokens.to(torch.int32), g=g.float().contiguous())
