@@ -2,7 +2,7 @@
 (``_cpu_gdn_attention_nonspec``: its torch conv and its CPU delta-rule kernels) on the same
 layer weights, state caches and GDN metadata: a batch of decodes and prefills (some with an
 earlier state), bfloat16 as vLLM's CPU path takes, then a decode step on the states each
-left. vLLM's CPU conv uses packed weights on AVX-512-BF16 machines; the test takes its torch
+left; and under speculative decoding, verification steps against vLLM's CPU spec path. vLLM's CPU conv uses packed weights on AVX-512-BF16 machines; the test takes its torch
 conv (same values)."""
 
 from __future__ import annotations
@@ -106,18 +106,74 @@ def test_npu_core_equals_vllms_cpu_core(monkeypatch):
                                    theirs.kv_cache[1].float(), atol=2e-2, rtol=2e-2)
 
 
-def test_speculation_is_refused_when_the_model_is_built():
-    from ascend_core.ops.gdn import refuse_speculation
+DRAFTS = 2
 
-    refuse_speculation(None)
-    refuse_speculation(SimpleNamespace(method="mtp", num_speculative_tokens=0))
-    with pytest.raises(NotImplementedError,
-                       match="method='mtp': gated delta-net layers .* do not verify"):
-        refuse_speculation(SimpleNamespace(method="mtp", num_speculative_tokens=2))
-    meta = _metadata([1], [], [], [])
-    meta.spec_sequence_masks = torch.tensor([True])
-    with pytest.raises(NotImplementedError, match="speculative batch"):
-        gdn_core(_layer(), meta, *_inputs(1, 0), torch.zeros(1, VALUE_HEADS, HEAD_DIM))
+
+def _spec_metadata(rows, lens, accepted, prefill_lens=(), prefill_slots=()):
+    """Spec sequences (state ``rows``, ``lens`` tokens, ``accepted`` last step) first, then
+    fresh prefills; both index sets, as vLLM's builder makes them."""
+    spec, plain = len(rows), len(prefill_lens)
+    spec_tokens, plain_tokens = sum(lens), sum(prefill_lens)
+
+    def starts(lengths):
+        return torch.tensor([0, *torch.tensor(list(lengths) or [0]).cumsum(0).tolist()][
+            :len(lengths) + 1], dtype=torch.int32)
+
+    plain_starts = starts(prefill_lens) if plain else None
+    slots = torch.tensor(list(prefill_slots), dtype=torch.int32) if plain else None
+    fresh = torch.zeros(plain, dtype=torch.bool) if plain else None
+    return GDNAttentionMetadata(
+        num_prefills=plain, num_prefill_tokens=plain_tokens, num_decodes=0,
+        num_decode_tokens=0, num_spec_decodes=spec, num_spec_decode_tokens=spec_tokens,
+        num_actual_tokens=spec_tokens + plain_tokens,
+        has_initial_state=fresh, spec_query_start_loc=starts(lens),
+        non_spec_query_start_loc=plain_starts,
+        spec_state_indices_tensor=torch.tensor(rows, dtype=torch.int32),
+        non_spec_state_indices_tensor=slots,
+        spec_sequence_masks=torch.tensor([True] * spec + [False] * plain),
+        # (an argsort's indices in a mixed batch, as vLLM's builder makes them)
+        spec_token_indx=torch.arange(spec_tokens),
+        non_spec_token_indx=torch.arange(spec_tokens, spec_tokens + plain_tokens),
+        num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32),
+        prefill_query_start_loc=plain_starts, prefill_state_indices=slots,
+        prefill_has_initial_state=fresh)
+
+
+def test_npu_core_verifies_drafts_as_vllms_cpu_core(monkeypatch):
+    """Speculative decoding (2 drafts): conv states widened to W - 1 + 2 columns, three
+    recurrent slots per request. Prompts prefill, two verification steps follow (the second
+    after 2 and 3 accepted tokens, beside a fresh prompt), against vLLM's CPU spec path (its
+    torch rolling-buffer conv and its CPU spec delta-rule kernel)."""
+    pytest.importorskip("vllm._C", reason="vLLM's CPU kernels")
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(gdn_attention, "is_arm_bf16", lambda: False)
+    ours, theirs = _layer(), _layer()
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(SLOTS + 2, WIDTH - 1 + DRAFTS, CONV_DIM, generator=gen).bfloat16()
+    recurrent = (torch.randn(SLOTS + 2, VALUE_HEADS, HEAD_DIM, HEAD_DIM, generator=gen)
+                 * 0.1).bfloat16()
+    ours.kv_cache = (wide.clone(), recurrent.clone())
+    theirs.kv_cache = (wide.clone(), _as_vllm_cpu_holds_it(recurrent))
+    rows = [[1, 2, 3], [4, 5, 6]]
+    steps = [
+        _metadata([], [5, 7], [1, 4], [False, False]),
+        _spec_metadata(rows, [3, 3], [1, 1]),
+        _spec_metadata(rows, [3, 3], [2, 3], prefill_lens=[4], prefill_slots=[9]),
+    ]
+    for seed, meta in enumerate(steps):
+        mixed, b, a = _inputs(meta.num_actual_tokens, seed)
+        want = torch.zeros(mixed.shape[0], VALUE_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        gdn_attention._cpu_gdn_attention_spec_aware(theirs, meta, mixed, b, a, want, WIDTH,
+                                                    WIDTH - 1 + DRAFTS)
+        got = torch.zeros_like(want)
+        gdn_core(ours, meta, mixed, b, a, got)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-2)
+        torch.testing.assert_close(ours.kv_cache[0], theirs.kv_cache[0], atol=0, rtol=0)
+        torch.testing.assert_close(_as_vllm_cpu_holds_it(ours.kv_cache[1]).float(),
+                                   theirs.kv_cache[1].float(), atol=2e-2, rtol=2e-2)
 
 
 def test_the_layer_replaces_vllms_by_name():
