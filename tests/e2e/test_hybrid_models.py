@@ -12,6 +12,17 @@ between two runs. Three of the four layers have dense MLPs: where two experts' r
 nearly tie, bfloat16 picks either, which moves a random MoE's logits by far more than the
 GDN layers' own rounding (test_npu_target.py's MoE test). The npu core's values are checked
 against vLLM's CPU core directly in ``core`` test_gdn_layer.py.
+
+Qwen3-Next's MTP (one full-attention layer predicting the token after next) on a second tiny
+model whose weights make drafts acceptable (small weights, the MTP layer carrying the token
+embedding; all 8 experts per token, so no routing choice rounds apart): verification steps
+run the GDN layers' speculative forms (``causal_conv1d_verify``, ``gated_delta_rule_verify``)
+on the widened conv buffer and the per-token state slots. Without prefix caching: with it,
+vLLM's state copies are GPU Triton kernels, refused at start-up on both targets (``core``
+test_host_platform.py). In this
+model the GDN states decay within a few tokens, so these runs show the path serves and keeps
+greedy tokens; where a step resumes (the state after the last accepted draft) is checked
+exactly against vLLM's CPU spec path in ``core`` test_gdn_layer.py.
 """
 
 from __future__ import annotations
@@ -85,3 +96,48 @@ def test_qwen3_next_with_full_decode_graphs_on_npu_keeps_greedy_tokens(qwen3_nex
     (worker,) = graphs["workers"]
     assert worker["graph_replays"] >= 15
     assert graphs["token_ids"] == qwen3_next_npu["token_ids"]
+
+
+MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2},
+       "enable_prefix_caching": False, "disable_log_stats": False}
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_mtp() -> str:
+    from ascend_plugin.tiny_drafts import ensure_qwen3_next_mtp_model
+
+    return str(ensure_qwen3_next_mtp_model(std=0.005, carry_embedding=True,
+                                           lm_head_scale=20.0))
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_mtp_plain(qwen3_next_mtp) -> dict:
+    return run(qwen3_next_mtp, HOST, dtype="bfloat16")
+
+
+def _assert_drafts_accepted(result: dict) -> None:
+    metrics = result["metrics"]
+    per_position = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    # Second drafts accepted too: later steps resumed from the third state slot.
+    assert metrics["vllm:spec_decode_num_drafts"] > 0 and min(per_position) > 0, metrics
+    print(f"\nMTP, 2 drafts: mean acceptance length "
+          f"{1 + metrics['vllm:spec_decode_num_accepted_tokens'] / metrics['vllm:spec_decode_num_drafts']:.2f}")
+
+
+def test_qwen3_next_mtp_on_the_host_target_keeps_greedy_tokens(qwen3_next_mtp,
+                                                               qwen3_next_mtp_plain):
+    spec = run(qwen3_next_mtp, HOST, dtype="bfloat16", **MTP)
+    _assert_drafts_accepted(spec)
+    assert_equal_up_to_near_ties(spec, qwen3_next_mtp_plain, "Qwen3-Next MTP on host")
+
+
+def test_qwen3_next_mtp_on_npu_keeps_greedy_tokens(qwen3_next_mtp, qwen3_next_mtp_plain):
+    spec = run(qwen3_next_mtp, NPU, dtype="bfloat16", **MTP)
+    assert_on_npu(spec)
+    (worker,) = spec["workers"]
+    assert "AscendQwenGatedDeltaNetAttention" in worker["layer_classes"]
+    assert worker["drafter"] == "AscendEagleProposer"
+    _assert_drafts_accepted(spec)
+    assert_equal_up_to_near_ties(spec, qwen3_next_mtp_plain, "Qwen3-Next MTP on npu vs host",
+                                 near_tie=0.2)
+

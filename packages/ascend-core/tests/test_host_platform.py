@@ -39,3 +39,27 @@ def test_a_backend_the_user_chose_stays(monkeypatch):
     vllm_config = config(backend=AttentionBackendEnum.AMX_MLA)
     assert not use_reference_mla_for_float32(vllm_config)
     assert vllm_config.attention_config.backend == AttentionBackendEnum.AMX_MLA
+
+
+@pytest.mark.parametrize(("hybrid", "speculative", "prefix_caching", "refused"), [
+    (True, True, True, True),  # vLLM's align-mode state copies: GPU Triton kernels
+    (True, True, False, False),
+    (True, False, True, False),
+    (False, True, True, False),
+])
+def test_hybrid_speculation_with_prefix_caching_is_refused(hybrid, speculative,
+                                                           prefix_caching, refused):
+    from ascend_core.platform.host import AscendHostPlatform
+
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(is_hybrid=hybrid,
+                                     architecture="Qwen3NextForCausalLM"),
+        speculative_config=SimpleNamespace(method="mtp") if speculative else None,
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching))
+    if not refused:
+        AscendHostPlatform.refuse_hybrid_speculation_with_prefix_caching(vllm_config)
+        return
+    with pytest.raises(ValueError, match=r"method='mtp' on the hybrid model "
+                       r"Qwen3NextForCausalLM with prefix caching on: .* the host target .*"
+                       r"--no-enable-prefix-caching"):
+        AscendHostPlatform.refuse_hybrid_speculation_with_prefix_caching(vllm_config)

@@ -17,6 +17,10 @@ deterministic and cached under the same root (``$ASCEND_PLUGIN_MODEL_CACHE``, de
   (``enorm``, ``hnorm``, ``eh_proj``, a full decoder block, ``shared_head``), as DeepSeek-V3
   checkpoints do; vLLM's ``method: mtp`` loads that layer as ``DeepSeekMTPModel``. vLLM's CPU
   MLA backend only takes a latent of 512 + rope 64, hence ``kv_lora_rank`` 512 here.
+- ``ensure_qwen3_next_mtp_model()``: a tiny Qwen3-Next (``tiny_models``' ``qwen3_next``)
+  with Qwen3-Next's MTP weights beside it (``mtp.fc``, its two input norms, one full-attention
+  decoder layer, ``mtp.norm``), which vLLM's ``method: mtp`` loads as
+  ``Qwen3NextMTP``.
 
 Weights are written straight to safetensors under the names vLLM's loaders read (drafts are
 not ``transformers`` models). Requires the ``demo`` extra; imports no vLLM.
@@ -373,6 +377,78 @@ def build_deepseek_mtp_model(out_dir: str | os.PathLike, *, hidden_size: int = 1
     return out
 
 
+def build_qwen3_next_mtp_model(out_dir: str | os.PathLike, *, num_layers: int = 4,
+                               mlp_only_layers: tuple[int, ...] = (1, 2, 3),
+                               experts_per_token: int = 8,
+                               std: float = DEFAULT_INITIALIZER_RANGE,
+                               carry_embedding: bool = False, dtype: str = "bfloat16",
+                               lm_head_scale: float = 1.0, seed: int = 0) -> Path:
+    """``tiny_models.build_model(kind="qwen3_next", ...)`` plus one MTP layer in
+    ``mtp.safetensors`` and ``num_nextn_predict_layers: 1``.
+
+    The MTP decoder layer is a full-attention layer at index 0 with an MoE block (vLLM's
+    ``Qwen3NextMTP`` needs one, so layer 0 must not be in ``mlp_only_layers``): its attention
+    is a copy of the model's first full-attention layer's, its MoE block of layer 0's, with
+    random perturbations of ``std``. ``experts_per_token`` defaults to all 8 experts: no
+    routing choice to round apart between two runs in bfloat16. ``lm_head_scale`` multiplies
+    the LM head (shared by the MTP layer): with a small ``std`` the logits are nearly flat,
+    and a larger head spreads them so that greedy choices are rarely near-ties.
+    ``carry_embedding``: ``mtp.fc`` passes the normed token embedding through (its input is
+    [embedding, hidden]), so with a small ``std`` the MTP layer has real acceptance.
+    """
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ascend_plugin.tiny_models import build_model
+
+    if 0 in mlp_only_layers:
+        raise DraftBuildError(f"mlp_only_layers={list(mlp_only_layers)}: vLLM's Qwen3NextMTP "
+                              "needs an MoE block in its layer (index 0); leave 0 out")
+    out = build_model(out_dir, "qwen3_next", num_layers=num_layers, dtype=dtype, seed=seed,
+                      mlp_only_layers=list(mlp_only_layers), initializer_range=std,
+                      num_experts_per_tok=experts_per_token)
+    config = _read_config(out)
+    layer_types = config.get("layer_types") or []
+    if "full_attention" not in layer_types:
+        raise DraftBuildError(f"num_layers={num_layers}: the model has no full-attention "
+                              f"layer to copy (layer_types {layer_types})")
+    attention_layer = layer_types.index("full_attention")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as reader:
+        base = {name: reader.get_tensor(name) for name in reader.keys()}  # noqa: SIM118
+    if lm_head_scale != 1.0:
+        base["lm_head.weight"] = base["lm_head.weight"] * lm_head_scale
+        save_file(base, str(out / "model.safetensors"), metadata={"format": "pt"})
+    base = {name: tensor.float() for name, tensor in base.items()}
+    hidden = config["hidden_size"]
+    weights = _Weights(seed + 1, std)
+    for name, tensor in base.items():
+        for source, part in ((f"model.layers.{attention_layer}.self_attn.", "self_attn."),
+                             (f"model.layers.{attention_layer}.input_layernorm",
+                              "input_layernorm"),
+                             ("model.layers.0.mlp.", "mlp."),  # its MoE block
+                             ("model.layers.0.post_attention_layernorm",
+                              "post_attention_layernorm")):
+            if name.startswith(source):
+                target = "mtp.layers.0." + part + name[len(source):]
+                noise = torch.randn(tensor.shape, generator=weights.generator) * std
+                weights.tensors[target] = tensor + (noise if tensor.dim() > 1 else 0)
+    # Qwen3-Next's norms scale by (1 + weight): zeros are the identity.
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        weights.tensors[f"mtp.{norm}.weight"] = torch.zeros(hidden)
+    weights.matrix("mtp.fc.weight", hidden, 2 * hidden)
+    if carry_embedding:
+        weights.tensors["mtp.fc.weight"] = _pass_first_half(hidden, hidden)
+    torch_dtype = getattr(torch, dtype)
+    save_file({name: t.to(torch_dtype).contiguous() for name, t in weights.tensors.items()},
+              str(out / "mtp.safetensors"), metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n",
+                                     encoding="utf-8")
+    _log(f"built Qwen3-Next + MTP model in {out}")
+    return out
+
+
 def _pass_first_half(rows: int, half: int):
     """[I, 0]: a projection of [a, b] (each ``half`` wide) that returns a."""
     import torch
@@ -401,6 +477,7 @@ _BUILDERS = {
     "eagle": build_eagle_draft,
     "eagle3": build_eagle3_draft,
     "deepseek_mtp": build_deepseek_mtp_model,
+    "qwen3_next_mtp": build_qwen3_next_mtp_model,
 }
 
 
@@ -440,3 +517,8 @@ def ensure_eagle3_draft(target_dir: str | os.PathLike, **kwargs: Any) -> Path:
 def ensure_deepseek_mtp_model(**kwargs: Any) -> Path:
     """The cached folder of ``build_deepseek_mtp_model(**kwargs)``."""
     return _ensure("deepseek_mtp", **kwargs)
+
+
+def ensure_qwen3_next_mtp_model(**kwargs: Any) -> Path:
+    """The cached folder of ``build_qwen3_next_mtp_model(**kwargs)``."""
+    return _ensure("qwen3_next_mtp", **kwargs)

@@ -54,6 +54,13 @@ def gdn_gates(A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 class AscendQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     """vLLM's layer with its core on ascend-kernels (see the module docstring)."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # vLLM's CUDA decode kernel (its fused spec-decode path with the gated norm) is not
+        # ours: every batch goes through _forward_core.
+        self.gdn_decode_kernel = "ascend-kernels"
+        self.enable_fused_gdn_spec_decode = False
+
     def _forward_core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                       core_attn_out: torch.Tensor) -> None:
         metadata = get_forward_context().attn_metadata

@@ -38,6 +38,25 @@ class AscendPlatformMixin:
             logger.warning(message)
 
     @classmethod
+    def refuse_hybrid_speculation_with_prefix_caching(cls, vllm_config) -> None:
+        """Speculative decoding on a hybrid model (gated delta-net / mamba layers beside
+        attention) with prefix caching: vLLM then keeps the layers' states in its "align"
+        cache mode, whose per-step state copies are raw-address Triton kernels
+        (``precopy_mamba_align_fused_kernel``, ``postprocess_mamba_fused_kernel``) that run
+        on neither target: stop at start-up, not at the first verified step."""
+        model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+        if (model_config is None or not model_config.is_hybrid
+                or vllm_config.speculative_config is None
+                or not cache_config.enable_prefix_caching):
+            return
+        raise ValueError(
+            f"speculative_config method={vllm_config.speculative_config.method!r} on the "
+            f"hybrid model {model_config.architecture} with prefix caching on: vLLM's state "
+            "copies for that (mamba_cache_mode 'align') are GPU Triton kernels the "
+            f"{cls.ascend_target} target does not run; start with --no-enable-prefix-caching "
+            "(enable_prefix_caching=False), or without speculative_config")
+
+    @classmethod
     def get_punica_wrapper(cls) -> str:
         """Multi-LoRA batches on the plugin's LoRA kernels (``ascend_kernels.lora``)."""
         return PUNICA_WRAPPER

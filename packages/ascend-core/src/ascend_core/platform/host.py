@@ -33,6 +33,7 @@ class AscendHostPlatform(AscendPlatformMixin, CpuPlatform):
         cls.log_activation(vllm.__version__)
         cls.run_config_hooks(vllm_config)
         init_ascend_config(vllm_config.additional_config, target="host")
+        cls.refuse_hybrid_speculation_with_prefix_caching(vllm_config)
         envs.warn_removed()
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":

@@ -94,6 +94,13 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         register_kernels(TRITON_FALLBACKS)
 
     @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        # Two layers of one index (Qwen3-Next's MTP layer "mtp.layers.0" beside the model's
+        # layer 0): NPUModelRunner reads its list of KV caches only to register each
+        # allocation (triton_fallbacks), in any order; layers find their caches by name.
+        return None
+
+    @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
         # vLLM's hybrid KV-cache manager: attention pages and gated delta-net states share
         # the block pool (the attention backend reads the block-compact layout it needs).
@@ -246,6 +253,7 @@ class AscendPlatform(AscendPlatformMixin, Platform):
         cls.log_activation(vllm.__version__)
         cls.run_config_hooks(vllm_config)
         init_ascend_config(vllm_config.additional_config, target="npu")
+        cls.refuse_hybrid_speculation_with_prefix_caching(vllm_config)
         envs.warn_removed()
         nz_mode()  # a bad VLLM_ASCEND_ENABLE_NZ stops the start here, not in each worker
 
