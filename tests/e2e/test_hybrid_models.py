@@ -28,7 +28,14 @@ exactly against vLLM's CPU spec path in ``core`` test_gdn_layer.py.
 from __future__ import annotations
 
 import pytest
-from test_npu_target import GRAPHS, NPU, assert_equal_up_to_near_ties, assert_on_npu, run
+from test_npu_target import (
+    GRAPHS,
+    NPU,
+    PROMPTS,
+    assert_equal_up_to_near_ties,
+    assert_on_npu,
+    run,
+)
 
 HOST = {"VLLM_ASCEND_TARGET": "host"}
 # A float32 recurrent state cache (vLLM's default holds the model's dtype).
@@ -131,8 +138,13 @@ def test_qwen3_next_mtp_on_the_host_target_keeps_greedy_tokens(qwen3_next_mtp,
     assert_equal_up_to_near_ties(spec, qwen3_next_mtp_plain, "Qwen3-Next MTP on host")
 
 
-def test_qwen3_next_mtp_on_npu_keeps_greedy_tokens(qwen3_next_mtp, qwen3_next_mtp_plain):
-    spec = run(qwen3_next_mtp, NPU, dtype="bfloat16", **MTP)
+@pytest.fixture(scope="module")
+def qwen3_next_mtp_npu(qwen3_next_mtp) -> dict:
+    return run(qwen3_next_mtp, NPU, dtype="bfloat16", **MTP)
+
+
+def test_qwen3_next_mtp_on_npu_keeps_greedy_tokens(qwen3_next_mtp_npu, qwen3_next_mtp_plain):
+    spec = qwen3_next_mtp_npu
     assert_on_npu(spec)
     (worker,) = spec["workers"]
     assert "AscendQwenGatedDeltaNetAttention" in worker["layer_classes"]
@@ -141,3 +153,17 @@ def test_qwen3_next_mtp_on_npu_keeps_greedy_tokens(qwen3_next_mtp, qwen3_next_mt
     assert_equal_up_to_near_ties(spec, qwen3_next_mtp_plain, "Qwen3-Next MTP on npu vs host",
                                  near_tie=0.2)
 
+
+def _first(result: dict, prompts: int) -> dict:
+    return {key: result[key][:prompts] for key in ("prompt_token_ids", "token_ids", "logprobs")}
+
+
+def test_qwen3_next_mtp_with_full_decode_graphs_on_npu(qwen3_next_mtp, qwen3_next_mtp_npu):
+    # 3 requests: verification batches of 3 x 3 tokens replay the graph captured for 4
+    # requests, the fourth a padding sequence on vLLM's null state slot.
+    graphs = run(qwen3_next_mtp, NPU, prompts=PROMPTS[:3], dtype="bfloat16", **MTP, **GRAPHS)
+    (worker,) = graphs["workers"]
+    assert 12 in worker["graph_capture_sizes"] and worker["graph_replays"] >= 5, worker
+    _assert_drafts_accepted(graphs)
+    assert_equal_up_to_near_ties(graphs, _first(qwen3_next_mtp_npu, 3),
+                                 "Qwen3-Next MTP, FULL decode graphs vs eager")

@@ -170,3 +170,18 @@ def test_verify_steps_equal_decoding_the_accepted_tokens():
     for t in (0, 1, 4):
         last = causal_conv1d_update(x[t:t + 1], weight, bias, decode_state, slot)
     torch.testing.assert_close(second[:1], last)
+
+
+def test_verify_rows_past_the_sequences_go_to_the_zero_length_padding_sequence():
+    # A captured graph's batch: one real sequence of 3 tokens, a padding sequence (no
+    # tokens, vLLM's null slot 0) and 3 padding rows.
+    width, drafts = 4, 2
+    x, weight, bias, _ = _inputs(6, width=width)
+    states = torch.randn(3, 6, width - 1 + drafts, generator=torch.Generator().manual_seed(5))
+    cu, slots, accepted = torch.tensor([0, 3, 3]), torch.tensor([2, 0]), torch.tensor([2, 1])
+    padded = states.clone()
+    got = causal_conv1d_verify(x, weight, bias, padded, cu, slots, accepted)
+    exact = states.clone()
+    want = causal_conv1d_verify(x[:3], weight, bias, exact, cu[:2], slots[:1], accepted[:1])
+    torch.testing.assert_close(got[:3], want)
+    torch.testing.assert_close(padded[1:], exact[1:])  # only the null slot took the padding

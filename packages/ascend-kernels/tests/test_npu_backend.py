@@ -301,3 +301,28 @@ def test_gdn_verify_npu_takes_npu_recurrent_gated_delta_rule(reference_torch_npu
     assert call["num_accepted_tokens"].tolist() == [3, 1]
     assert_close(out, ref, torch.bfloat16, scale=2)
     torch.testing.assert_close(state.float(), ref_state.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gdn_verify_npu_full_batch_passes_every_row_without_reading_lengths(
+        reference_torch_npu, monkeypatch):
+    # A captured graph's uniform batch: 2 sequences x 3 rows, the second a padding sequence
+    # (zero length in cu_seqlens, vLLM's null slot 0 in every column): the op gets every row.
+    calls = _spy(monkeypatch, reference_torch_npu, "npu_recurrent_gated_delta_rule")
+    gen = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(6, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(6, 4, 32, generator=gen).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(6, 4, generator=gen))
+    beta = torch.sigmoid(torch.randn(6, 4, generator=gen)).bfloat16()
+    state = (torch.randn(8, 4, 32, 64, generator=gen) * 0.1).bfloat16()
+    cu, rows = torch.tensor([0, 3, 3]), torch.tensor([[3, 1, 4], [0, 0, 0]])
+    accepted = torch.tensor([2, 1])
+    ref_state = state.clone()
+    out = ascend_kernels.gated_delta_rule_verify(q, k, v, g, beta, state, cu, rows, accepted,
+                                                 use_qk_l2norm=True, backend="npu")
+    ref = ascend_kernels.gated_delta_rule_verify(q[:3], k[:3], v[:3], g[:3], beta[:3],
+                                                 ref_state, cu[:2], rows[:1], accepted[:1],
+                                                 use_qk_l2norm=True, backend="reference")
+    (call,) = calls
+    assert call["actual_seq_lengths"].tolist() == [3, 3]
+    assert_close(out[:3], ref, torch.bfloat16, scale=2)
+    torch.testing.assert_close(state[1:].float(), ref_state[1:].float(), atol=2e-2, rtol=2e-2)

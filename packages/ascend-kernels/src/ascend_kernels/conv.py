@@ -154,8 +154,7 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
                          activation: str | None = "silu") -> torch.Tensor:
     """A speculative verification step: sequence ``n`` holds the rows
-    ``cu_seqlens[n]:cu_seqlens[n + 1]`` of ``x`` (its last token and its drafts; ``x`` holds
-    exactly ``cu_seqlens[-1]`` rows) and its state is the slot ``state_indices[n]`` of a cache
+    ``cu_seqlens[n]:cu_seqlens[n + 1]`` of ``x`` (its last token and its drafts) and its state is the slot ``state_indices[n]`` of a cache
     ``[slots, dim, state_len]`` with ``state_len >= W - 2 + `` the longest query.
 
     The state is a rolling buffer (vLLM's layout under speculative decoding): the previous
@@ -193,5 +192,9 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     unchanged = conv_states[slots[:, None], :, keep]
     has_tokens = (cu[1:] > cu[:-1])[:, None, None]
     conv_states[slots[:, None], :, keep] = torch.where(has_tokens, shifted, unchanged)
-    conv_states[slots[seq], :, width - 2 + pos] = x.to(conv_states.dtype)
+    # Rows past cu_seqlens[-1] (a captured graph's padding: vLLM pads a batch with
+    # zero-length sequences on its null slot, which nothing reads) land on the last
+    # sequence, their columns clamped into the buffer.
+    written = (width - 2 + pos).clamp(max=conv_states.shape[2] - 1)
+    conv_states[slots[seq], :, written] = x.to(conv_states.dtype)
     return out

@@ -98,13 +98,19 @@ def gated_delta_rule_verify(q, k, v, g, beta, state, cu_seqlens, state_indices,
                             num_accepted_tokens, scale, use_qk_l2norm, eps) -> torch.Tensor:
     if use_qk_l2norm:
         q, k = l2norm(q, eps), l2norm(k, eps)
-    cu = cu_seqlens.long()
-    token = torch.arange(q.shape[0], device=q.device)
-    seq = torch.bucketize(token, cu[1:], right=True)
-    per_token = state_indices[seq, token - cu[seq]]
+    sequences, columns = state_indices.shape
+    if q.shape[0] == sequences * columns:
+        # Every sequence full (a uniform batch, or a captured graph's, whose padding
+        # sequences sit on vLLM's null slot): lengths and indices without reading cu_seqlens.
+        lengths = torch.full((sequences,), columns, dtype=torch.int32, device=q.device)
+        per_token = state_indices.reshape(-1)
+    else:
+        cu = cu_seqlens.long()
+        token = torch.arange(q.shape[0], device=q.device)
+        seq = torch.bucketize(token, cu[1:], right=True)
+        lengths, per_token = (cu[1:] - cu[:-1]).to(torch.int32), state_indices[seq, token - cu[seq]]
     return torch_npu_module().npu_recurrent_gated_delta_rule(
         q.contiguous(), k.contiguous(), v.contiguous(), state,
         beta=beta.to(torch.bfloat16).contiguous(), scale=float(scale),
-        actual_seq_lengths=(cu[1:] - cu[:-1]).to(torch.int32),
-        ssm_state_indices=per_token.to(torch.int32),
+        actual_seq_lengths=lengths, ssm_state_indices=per_token.to(torch.int32),
         num_accepted_tokens=num_accepted_tokens.to(torch.int32), g=g.float().contiguous())
