@@ -154,8 +154,9 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
                          activation: str | None = "silu") -> torch.Tensor:
     """A speculative verification step: sequence ``n`` holds the rows
-    ``cu_seqlens[n]:cu_seqlens[n + 1]`` of ``x`` (its last token and its drafts) and its state is the slot ``state_indices[n]`` of a cache
-    ``[slots, dim, state_len]`` with ``state_len >= W - 2 + `` the longest query.
+    ``cu_seqlens[n]:cu_seqlens[n + 1]`` of ``x`` (its last token and its drafts) and its
+    state is the slot ``state_indices[n]`` of a cache ``[slots, dim, state_len]`` with
+    ``state_len >= W - 2 + `` the longest query.
 
     The state is a rolling buffer (vLLM's layout under speculative decoding): the previous
     step left ``W - 2`` inputs of history and then its ``q`` tokens, of which
@@ -163,7 +164,9 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     ``num_accepted_tokens[n] - 1``. Afterwards the buffer holds the last ``W - 2`` inputs of
     that window and this step's tokens (columns past them untouched; a sequence without
     tokens keeps its buffer). Plain torch, vectorised over tokens, no host synchronisation
-    (graph-safe). Returns ``[tokens, dim]`` in ``x``'s dtype."""
+    (graph-safe; rows past ``cu_seqlens[-1]``, a graph's padding, go to the last sequence,
+    which must then be a zero-length one on a slot nothing reads). Returns ``[tokens, dim]``
+    in ``x``'s dtype."""
     width = weight.shape[1]
     _check("causal_conv1d_verify", x, weight, bias, conv_states, activation,
            min_state_len=width - 1)

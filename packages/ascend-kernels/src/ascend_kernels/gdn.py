@@ -227,10 +227,10 @@ def gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             use_qk_l2norm: bool = False, eps: float = DEFAULT_EPS, *,
                             backend: str | None = None) -> torch.Tensor:
     """A speculative verification step (see the module docstring): sequence ``n`` holds the
-    rows ``cu_seqlens[n]:cu_seqlens[n + 1]`` (at most ``state_indices.shape[1]``; rows
-    past ``cu_seqlens[-1]``, a captured graph's padding, change no state), ``state_indices`` ``[sequences, columns]`` its
-    slots, ``num_accepted_tokens`` ``[sequences]`` (1 or more) the previous step's accepted
-    count. Returns ``[tokens, HV, V]`` in ``v``'s dtype."""
+    rows ``cu_seqlens[n]:cu_seqlens[n + 1]`` (at most ``state_indices.shape[1]``; rows past
+    ``cu_seqlens[-1]``, a captured graph's padding, change no state), ``state_indices``
+    ``[sequences, columns]`` its slots, ``num_accepted_tokens`` ``[sequences]`` (1 or more)
+    the previous step's accepted count. Returns ``[tokens, HV, V]`` in ``v``'s dtype."""
     from ascend_kernels.npu_ops.gdn import gated_delta_rule_verify_problem
 
     sequences = cu_seqlens.numel() - 1
