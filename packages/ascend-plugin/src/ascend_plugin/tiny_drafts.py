@@ -382,7 +382,9 @@ def build_qwen3_next_mtp_model(out_dir: str | os.PathLike, *, num_layers: int = 
                                experts_per_token: int = 8,
                                std: float = DEFAULT_INITIALIZER_RANGE,
                                carry_embedding: bool = False, dtype: str = "bfloat16",
-                               lm_head_scale: float = 1.0, seed: int = 0) -> Path:
+                               lm_head_scale: float = 1.0, linear_attention_scale: float = 1.0,
+                               linear_attention_decay: float | None = None,
+                               seed: int = 0) -> Path:
     """``tiny_models.build_model(kind="qwen3_next", ...)`` plus one MTP layer in
     ``mtp.safetensors`` and ``num_nextn_predict_layers: 1``.
 
@@ -393,9 +395,15 @@ def build_qwen3_next_mtp_model(out_dir: str | os.PathLike, *, num_layers: int = 
     routing choice to round apart between two runs in bfloat16. ``lm_head_scale`` multiplies
     the LM head (shared by the MTP layer): with a small ``std`` the logits are nearly flat,
     and a larger head spreads them so that greedy choices are rarely near-ties.
+    ``linear_attention_scale`` multiplies the gated delta-net layers' output projections and
+    ``linear_attention_decay`` sets their heads' decay rate ``A = exp(A_log)``: randomly
+    initialised states forget within a few tokens and add little to the residual, so a test
+    that must see them (where a speculative step resumes) makes them matter.
     ``carry_embedding``: ``mtp.fc`` passes the normed token embedding through (its input is
     [embedding, hidden]), so with a small ``std`` the MTP layer has real acceptance.
     """
+    import math
+
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -416,9 +424,14 @@ def build_qwen3_next_mtp_model(out_dir: str | os.PathLike, *, num_layers: int = 
     attention_layer = layer_types.index("full_attention")
     with safe_open(str(out / "model.safetensors"), framework="pt") as reader:
         base = {name: reader.get_tensor(name) for name in reader.keys()}  # noqa: SIM118
-    if lm_head_scale != 1.0:
-        base["lm_head.weight"] = base["lm_head.weight"] * lm_head_scale
-        save_file(base, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name, tensor in base.items():
+        if name == "lm_head.weight":
+            base[name] = tensor * lm_head_scale
+        elif name.endswith("linear_attn.out_proj.weight"):
+            base[name] = tensor * linear_attention_scale
+        elif name.endswith("linear_attn.A_log") and linear_attention_decay is not None:
+            base[name] = torch.full_like(tensor, math.log(linear_attention_decay))
+    save_file(base, str(out / "model.safetensors"), metadata={"format": "pt"})
     base = {name: tensor.float() for name, tensor in base.items()}
     hidden = config["hidden_size"]
     weights = _Weights(seed + 1, std)
