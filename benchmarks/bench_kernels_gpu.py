@@ -24,6 +24,12 @@ sequences, one token each, 16 query / key heads and ``hidden / 128`` value heads
 float32 state cache read and written in place; its stored run is
 ``benchmarks/results/kernels_gpu_gdn.*`` (``--ops gated_delta_rule --tokens 1,64,256,1024``).
 
+gated_delta_rule_verify (its speculative-verification form) runs batches of ``tokens``
+sequences of 3 tokens each (a token and 2 MTP drafts), each sequence resuming from the second
+of its 3 state slots and writing the state after each token to its own slot; its stored run
+is ``benchmarks/results/kernels_gpu_gdn_verify.*`` (``--ops gated_delta_rule_verify --out
+DIR``, the files renamed).
+
 causal_conv1d_update (the short convolution in front of those heads: their q, k and v
 channels, width 4, SiLU) runs the same decode batches over vLLM's conv state cache layout
 (``[slots, 3, channels]`` viewed as ``[slots, channels, 3]``); its stored run is
@@ -84,7 +90,7 @@ DRY_TOKENS = (1, 3)
 DRY_HIDDEN = (64, 96)
 OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "l2norm",
        "dynamic_per_token_quant", "add_rms_norm_quant", "lora_shrink", "lora_expand", "mrope",
-       "gated_delta_rule", "causal_conv1d_update")
+       "gated_delta_rule", "causal_conv1d_update", "gated_delta_rule_verify")
 EPS = 1e-6
 # Goals of issue 6: at LARGE_TOKENS and more, at least as fast as torch.compile and this
 # fraction of copy bandwidth; at SMALL_TOKENS and fewer, no slower than eager.
@@ -93,6 +99,7 @@ SMALL_TOKENS = 64
 BANDWIDTH_GOAL = 0.8
 LORA_SLOTS, LORA_RANK = 4, 16
 CONV_WIDTH = 4  # Qwen3-Next's linear_conv_kernel_dim
+VERIFY_QUERY = 3  # gated_delta_rule_verify: a token and 2 MTP drafts per sequence
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -221,6 +228,18 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
                     torch.sigmoid(randn(tokens, gdn_heads[1])), state,
                     torch.arange(tokens + 1, device=device, dtype=torch.int32), slots, None,
                     True)
+        if op == "gated_delta_rule_verify":  # sequences of VERIFY_QUERY tokens
+            rows_n = tokens * VERIFY_QUERY
+            state = torch.randn(rows_n, gdn_heads[1], gdn_dim, gdn_dim, device=device) * 0.1
+            slots = torch.arange(rows_n, device=device, dtype=torch.int32).view(tokens, -1)
+            return (randn(rows_n, gdn_heads[0], gdn_dim), randn(rows_n, gdn_heads[0], gdn_dim),
+                    randn(rows_n, gdn_heads[1], gdn_dim),
+                    torch.nn.functional.logsigmoid(randn(rows_n, gdn_heads[1])),
+                    torch.sigmoid(randn(rows_n, gdn_heads[1])), state,
+                    torch.arange(0, rows_n + 1, VERIFY_QUERY, device=device,
+                                 dtype=torch.int32), slots,
+                    torch.full((tokens,), 2, device=device, dtype=torch.int32),
+                    gdn_dim ** -0.5, True, EPS)
         if op == "causal_conv1d_update":  # a decode batch: one token per sequence
             # vLLM's conv state cache [slots, W - 1, dim], viewed as [slots, dim, W - 1].
             states = randn(tokens, CONV_WIDTH - 1, conv_dim).transpose(1, 2)
@@ -276,6 +295,14 @@ def build_case(op: str, tokens: int, hidden: int, device, dtype, copies: int = 1
                              tokens * gdn_heads[1] * gdn_dim * gdn_dim * 4 * 2
                              + tokens * (2 * gdn_heads[0] + 2 * gdn_heads[1]) * gdn_dim * elem
                              + tokens * gdn_heads[1] * 2 * elem, float_close),
+        "gated_delta_rule_verify": (lambda a: ak.gated_delta_rule_verify(*a, backend="triton"),
+                                    gdn.gated_delta_rule_verify_reference,
+                                    # float32 states: one slot read, one written per token
+                                    tokens * gdn_heads[1] * gdn_dim * gdn_dim * 4
+                                    * (1 + VERIFY_QUERY)
+                                    + tokens * VERIFY_QUERY * (
+                                        (2 * gdn_heads[0] + 2 * gdn_heads[1]) * gdn_dim * elem
+                                        + gdn_heads[1] * 2 * elem), float_close),
         "causal_conv1d_update": (lambda a: ak.causal_conv1d_update(*a, backend="triton"),
                                  conv.causal_conv1d_update_reference,
                                  # x read, out written, the states read and written, weights

@@ -163,3 +163,22 @@ def test_verify_writes_each_tokens_state_and_resumes_after_the_accepted_ones():
             torch.testing.assert_close(got[t], out[-1])
             torch.testing.assert_close(got_state[rows[n, t - lo]], scratch[0])
     torch.testing.assert_close(got_state[[3, 4]], state[[3, 4]])  # slots no row names
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_verify_triton_matches_reference(dtype):
+    from ascend_kernels.gdn import gated_delta_rule_verify
+
+    # Sequences of 3, 1, 2 tokens and a padding one (no tokens, slot 0), rows of 3 slots.
+    q, k, v, g, beta, state, cu = _inputs([3, 1, 2, 0], slots=11, dtype=dtype)
+    rows = torch.tensor([[5, 1, 6], [2, 7, 8], [9, 3, 10], [0, 0, 0]])
+    accepted = torch.tensor([2, 3, 1, 1])
+    low = state.to(dtype)
+    ref_state, tri_state = low.clone(), low.clone()
+    ref = gated_delta_rule_verify(q, k, v, g, beta, ref_state, cu, rows, accepted,
+                                  use_qk_l2norm=True, backend="reference")
+    out = gated_delta_rule_verify(q, k, v, g, beta, tri_state, cu, rows, accepted,
+                                  use_qk_l2norm=True, backend="triton")
+    assert_close(out, ref, dtype, scale=2)
+    assert_close(tri_state, ref_state, dtype, scale=2)

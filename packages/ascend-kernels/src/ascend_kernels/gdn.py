@@ -25,9 +25,9 @@ for the decode form (bfloat16 states; ``npu_ops.gdn``).
 ``n`` has a row of state slots ``state_indices[n]``, starts from the slot of the last token
 the previous step accepted (column ``num_accepted_tokens[n] - 1``) and writes the state after
 its ``t``-th token to column ``t``, so the next step finds the state after whichever draft
-was accepted last. Reference (vectorised, no host synchronisation) and torch_npu
-(``npu_recurrent_gated_delta_rule``, whose per-token state indices and
-``num_accepted_tokens`` are this layout).
+was accepted last. Reference (vectorised, no host synchronisation), Triton (the kernel above
+with a state store after each token) and torch_npu (``npu_recurrent_gated_delta_rule``,
+whose per-token state indices and ``num_accepted_tokens`` are this layout).
 """
 
 from __future__ import annotations
@@ -246,8 +246,19 @@ def gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if sequences == 0 or q.shape[0] == 0:
         return torch.empty_like(v)
-    chosen = resolve_backend("gated_delta_rule_verify", v, (REFERENCE, NPU), backend,
+    chosen = resolve_backend("gated_delta_rule_verify", v, (REFERENCE, TRITON, NPU), backend,
                              {NPU: gated_delta_rule_verify_problem(q, v, state, state_indices)})
+    if chosen == TRITON:
+        from ascend_kernels.triton_kernels import gdn as triton_gdn
+
+        # Zeros: rows past cu_seqlens[-1] (a graph's padding) are not written.
+        out = torch.zeros_like(v)
+        triton_gdn.gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(),
+                                    g.contiguous(), beta.contiguous(), state,
+                                    cu_seqlens.contiguous(), state_indices.contiguous(), out,
+                                    scale, use_qk_l2norm, eps,
+                                    num_accepted_tokens.contiguous())
+        return out
     if chosen == NPU:
         from ascend_kernels.npu_ops import gdn as npu_gdn
 

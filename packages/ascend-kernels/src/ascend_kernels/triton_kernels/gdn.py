@@ -4,7 +4,9 @@ One program per (sequence, value head, block of ``BLOCK_V`` value rows): it load
 ``[BLOCK_V, K]`` block of the sequence's state once, steps through the sequence's tokens
 (decay, delta-rule correction, rank-1 update, output row block), and writes the block back
 to the state slot. The key dimension is held whole (``BLOCK_K`` >= K): the correction and
-the output each reduce over it.
+the output each reduce over it. The verification form (``VERIFY``) starts from the slot of
+the sequence's last accepted token (``index[seq, accepted[seq] - 1]``) and writes the state
+after its ``t``-th token to ``index[seq, t]``.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import triton.language as tl
 
 @triton.jit
 def _gated_delta_rule_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, cu_ptr, index_ptr, out_ptr,
-    scale, eps, slot_stride,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, cu_ptr, index_ptr, accepted_ptr, out_ptr,
+    scale, eps, slot_stride, index_stride,
     HEADS: tl.constexpr,
     VALUE_HEADS: tl.constexpr,
     KEY_DIM: tl.constexpr,
@@ -25,6 +27,7 @@ def _gated_delta_rule_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     L2NORM: tl.constexpr,
+    VERIFY: tl.constexpr,
 ):
     seq = tl.program_id(0)
     value_head = tl.program_id(1)
@@ -37,9 +40,12 @@ def _gated_delta_rule_kernel(
 
     start = tl.load(cu_ptr + seq).to(tl.int64)
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    slot = tl.load(index_ptr + seq).to(tl.int64)
-    state_block = (state_ptr + slot * slot_stride + value_head * VALUE_DIM * KEY_DIM
-                   + rows[:, None] * KEY_DIM + cols[None, :])
+    first = 0
+    if VERIFY:
+        first = tl.load(accepted_ptr + seq).to(tl.int64) - 1
+    slot = tl.load(index_ptr + seq * index_stride + first).to(tl.int64)
+    in_slot = value_head * VALUE_DIM * KEY_DIM + rows[:, None] * KEY_DIM + cols[None, :]
+    state_block = state_ptr + slot * slot_stride + in_slot
     s = tl.load(state_block, mask=block_mask, other=0.0).to(tl.float32)
 
     for t in range(start, end):
@@ -58,17 +64,25 @@ def _gated_delta_rule_kernel(
         s = s + u[:, None] * k[None, :]
         o = tl.sum(s * (q * scale)[None, :], 1)
         tl.store(out_ptr + v_row, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+        if VERIFY:
+            after = tl.load(index_ptr + seq * index_stride + (t - start)).to(tl.int64)
+            tl.store(state_ptr + after * slot_stride + in_slot,
+                     s.to(state_ptr.dtype.element_ty), mask=block_mask)
 
-    tl.store(state_block, s.to(state_ptr.dtype.element_ty), mask=block_mask)
+    if not VERIFY:
+        tl.store(state_block, s.to(state_ptr.dtype.element_ty), mask=block_mask)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
                      state_indices: torch.Tensor, out: torch.Tensor, scale: float,
-                     use_qk_l2norm: bool, eps: float) -> None:
+                     use_qk_l2norm: bool, eps: float,
+                     num_accepted_tokens: torch.Tensor | None = None) -> None:
     """Contiguous ``q`` / ``k`` ``[T, H, K]``, ``v`` / ``out`` ``[T, HV, V]``, ``g`` / ``beta``
     ``[T, HV]``, ``state`` ``[slots, HV, V, K]`` (each slot contiguous; slots may be
-    padded apart, as in vLLM's hybrid cache), updated in place."""
+    padded apart, as in vLLM's hybrid cache), updated in place. With
+    ``num_accepted_tokens``: the verification form, ``state_indices`` ``[sequences,
+    columns]``."""
     if not state[0].is_contiguous():
         raise ValueError("gated_delta_rule (Triton): each state slot must be contiguous")
     sequences = cu_seqlens.numel() - 1
@@ -80,8 +94,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     grid = (sequences, value_heads, triton.cdiv(value_dim, block_v))
     if sequences == 0:
         return
+    verify = num_accepted_tokens is not None
     _gated_delta_rule_kernel[grid](
-        q, k, v, g, beta, state, cu_seqlens, state_indices, out, float(scale), float(eps),
-        state.stride(0),
+        q, k, v, g, beta, state, cu_seqlens, state_indices,
+        num_accepted_tokens if verify else state_indices, out, float(scale), float(eps),
+        state.stride(0), state_indices.stride(0) if verify else 1,
         HEADS=heads, VALUE_HEADS=value_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim,
-        BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm)
+        BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm, VERIFY=verify)
