@@ -205,16 +205,17 @@ def gated_delta_rule_verify_reference(q, k, v, g, beta, state, cu_seqlens, state
     slots = state_indices.long()
     first = slots.gather(1, (num_accepted_tokens.long() - 1)[:, None]).squeeze(1)
     s = state[first].float()
-    outputs = torch.zeros((sequences, columns, *v.shape[1:]), dtype=torch.float32,
-                          device=v.device)
+    outputs = []
     for step in range(columns):
         active = (lengths > step)[:, None, None, None]
         t = (starts + step).clamp(max=tokens - 1)
-        stepped, outputs[:, step] = _step(s, q[t], k[t], v[t], g[t], beta[t], group, scale,
-                                          use_qk_l2norm, eps)
+        stepped, out = _step(s, q[t], k[t], v[t], g[t], beta[t], group, scale, use_qk_l2norm,
+                             eps)
+        outputs.append(out)
         s = torch.where(active, stepped, s)
         target = slots[:, step]
         state[target] = torch.where(active, s, state[target].float()).to(state.dtype)
+    outputs = torch.stack(outputs, 1)  # [sequences, columns, HV, V]
     token = torch.arange(tokens, device=v.device)
     seq = torch.bucketize(token, cu[1:], right=True).clamp(max=sequences - 1)
     return outputs[seq, (token - cu[seq]).clamp(max=columns - 1)].to(v.dtype)
