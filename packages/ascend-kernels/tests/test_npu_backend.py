@@ -278,16 +278,22 @@ def test_gdn_sequences_npu_take_npu_chunk_gated_delta_rule(reference_torch_npu, 
                                         state[..., :64], cu, slots, backend="npu")
 
 
+def _gdn_verify_inputs(tokens, slots, seed):
+    """bfloat16 q / k (2 heads of 64), v (4 heads of 32), g, beta and a state cache."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(tokens, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(tokens, 4, 32, generator=gen).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(tokens, 4, generator=gen))
+    beta = torch.sigmoid(torch.randn(tokens, 4, generator=gen)).bfloat16()
+    state = (torch.randn(slots, 4, 32, 64, generator=gen) * 0.1).bfloat16()
+    return q, k, v, g, beta, state
+
+
 def test_gdn_verify_npu_takes_npu_recurrent_gated_delta_rule(reference_torch_npu, monkeypatch):
     # Speculative verification: each token's state slot and where each sequence resumes
     # (num_accepted_tokens) go to the op as its per-token indices.
     calls = _spy(monkeypatch, reference_torch_npu, "npu_recurrent_gated_delta_rule")
-    gen = torch.Generator().manual_seed(4)
-    q, k = (torch.randn(5, 2, 64, generator=gen).bfloat16() for _ in range(2))
-    v = torch.randn(5, 4, 32, generator=gen).bfloat16()
-    g = torch.nn.functional.logsigmoid(torch.randn(5, 4, generator=gen))
-    beta = torch.sigmoid(torch.randn(5, 4, generator=gen)).bfloat16()
-    state = (torch.randn(9, 4, 32, 64, generator=gen) * 0.1).bfloat16()
+    q, k, v, g, beta, state = _gdn_verify_inputs(5, 9, seed=4)
     cu, rows = torch.tensor([0, 3, 5]), torch.tensor([[5, 1, 6], [2, 7, 8]])
     accepted = torch.tensor([3, 1])
     ref_state = state.clone()
@@ -308,12 +314,7 @@ def test_gdn_verify_npu_full_batch_passes_every_row_without_reading_lengths(
     # A captured graph's uniform batch: 2 sequences x 3 rows, the second a padding sequence
     # (zero length in cu_seqlens, vLLM's null slot 0 in every column): the op gets every row.
     calls = _spy(monkeypatch, reference_torch_npu, "npu_recurrent_gated_delta_rule")
-    gen = torch.Generator().manual_seed(6)
-    q, k = (torch.randn(6, 2, 64, generator=gen).bfloat16() for _ in range(2))
-    v = torch.randn(6, 4, 32, generator=gen).bfloat16()
-    g = torch.nn.functional.logsigmoid(torch.randn(6, 4, generator=gen))
-    beta = torch.sigmoid(torch.randn(6, 4, generator=gen)).bfloat16()
-    state = (torch.randn(8, 4, 32, 64, generator=gen) * 0.1).bfloat16()
+    q, k, v, g, beta, state = _gdn_verify_inputs(6, 8, seed=6)
     cu, rows = torch.tensor([0, 3, 3]), torch.tensor([[3, 1, 4], [0, 0, 0]])
     accepted = torch.tensor([2, 1])
     ref_state = state.clone()
