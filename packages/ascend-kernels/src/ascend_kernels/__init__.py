@@ -12,8 +12,8 @@ Modules: ``norm`` (rms_norm, add_rms_norm, l2norm), ``activation``
 (lora_shrink, lora_expand: multi-LoRA batches), ``gdn`` (gated_delta_rule,
 gated_delta_rule_decode, gated_delta_rule_verify: the linear attention of gated delta-net
 layers) and ``conv`` (causal_conv1d, causal_conv1d_update, causal_conv1d_verify: their short
-convolution with its state); their Triton
-kernels live in ``triton_kernels`` and their torch_npu calls in ``npu_ops``.
+convolution with its state); their Triton kernels live in ``triton_kernels`` and their
+torch_npu calls in ``npu_ops``.
 """
 
 from ascend_kernels.__about__ import __version__

@@ -25,8 +25,8 @@ for the decode form (bfloat16 states; ``npu_ops.gdn``).
 ``n`` has a row of state slots ``state_indices[n]``, starts from the slot of the last token
 the previous step accepted (column ``num_accepted_tokens[n] - 1``) and writes the state after
 its ``t``-th token to column ``t``, so the next step finds the state after whichever draft
-was accepted last. Reference (vectorised, no host synchronisation), Triton (the kernel above
-with a state store after each token) and torch_npu (``npu_recurrent_gated_delta_rule``,
+was accepted last. Reference (vectorised, no host synchronisation), Triton (the same kernel,
+storing the state after each token) and torch_npu (``npu_recurrent_gated_delta_rule``,
 whose per-token state indices and ``num_accepted_tokens`` are this layout).
 """
 
