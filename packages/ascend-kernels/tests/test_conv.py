@@ -185,3 +185,10 @@ def test_verify_rows_past_the_sequences_go_to_the_zero_length_padding_sequence()
     want = causal_conv1d_verify(x[:3], weight, bias, exact, cu[:2], slots[:1], accepted[:1])
     torch.testing.assert_close(got[:3], want)
     torch.testing.assert_close(padded[1:], exact[1:])  # only the null slot took the padding
+
+
+def test_verify_refuses_a_buffer_shorter_than_the_window():
+    x, weight, bias, states = _inputs(2)  # states [5, 6, 3]: W - 1 = 3 columns is the least
+    with pytest.raises(ValueError, match=r"conv_states must be \[slots, dim=6, state_len >= 3\]"):
+        causal_conv1d_verify(x, weight, bias, states[..., :2], torch.tensor([0, 2]),
+                             torch.tensor([0]), torch.tensor([1]))

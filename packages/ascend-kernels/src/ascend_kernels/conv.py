@@ -40,14 +40,14 @@ def _check(op, x, weight, bias, conv_states, activation, min_state_len=None) -> 
     if bias is not None and bias.shape != (dim,):
         raise ValueError(f"{op}: bias must be [dim={dim}], got {tuple(bias.shape)}")
     width = weight.shape[1]
-    if min_state_len is None and (conv_states.dim() != 3
-                                  or conv_states.shape[1:] != (dim, width - 1)):
-        raise ValueError(f"{op}: conv_states must be [slots, dim={dim}, width - 1="
-                         f"{width - 1}], got {tuple(conv_states.shape)}")
-    if min_state_len is not None and (conv_states.dim() != 3 or conv_states.shape[1] != dim
-                                      or conv_states.shape[2] < min_state_len):
-        raise ValueError(f"{op}: conv_states must be [slots, dim={dim}, state_len >= "
-                         f"{min_state_len}], got {tuple(conv_states.shape)}")
+    # The plain forms keep exactly W - 1 inputs; the verification form a longer buffer.
+    columns_ok, columns = ((conv_states.shape[-1] == width - 1, f"width - 1={width - 1}")
+                           if min_state_len is None else
+                           (conv_states.shape[-1] >= min_state_len,
+                            f"state_len >= {min_state_len}"))
+    if conv_states.dim() != 3 or conv_states.shape[1] != dim or not columns_ok:
+        raise ValueError(f"{op}: conv_states must be [slots, dim={dim}, {columns}], got "
+                         f"{tuple(conv_states.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
 
