@@ -200,6 +200,20 @@ class DraftLengthConfig(_Section):
 
 
 @dataclass(frozen=True)
+class MedusaTreeConfig(_Section):
+    """``medusa_tree_config``: Medusa's tree verification (speculative method "medusa")."""
+
+    paths: list | None = _key(
+        None,
+        "The candidate tree each step verifies, as a list of paths: [0] is head 0's best "
+        "candidate, [0, 1] head 1's second best after it; every prefix of a path must be "
+        "in the list, a path at most as deep as the heads, indices 0-15. "
+        "num_speculative_tokens must equal the number of paths. Unset: one chain of every "
+        "head's best candidate, as vLLM verifies.",
+    )
+
+
+@dataclass(frozen=True)
 class AscendConfig(_Section):
     """All plugin options from ``additional_config``; every key is optional."""
 
@@ -209,6 +223,9 @@ class AscendConfig(_Section):
     )
     draft_length_config: DraftLengthConfig = field(
         default_factory=DraftLengthConfig, metadata=_meta(DraftLengthConfig.__doc__)
+    )
+    medusa_tree_config: MedusaTreeConfig = field(
+        default_factory=MedusaTreeConfig, metadata=_meta(MedusaTreeConfig.__doc__)
     )
     enable_cpu_binding: bool = _key(
         False,

@@ -17,9 +17,10 @@ from ascend_core.worker.speculative import (
     install_registered_rejection_sampler,
     vllm_proposer_deferred,
 )
+from ascend_core.worker.tree_runner import TreeVerificationRunnerMixin
 
 
-class AscendHostModelRunner(CheckedLoRARunnerMixin, CPUModelRunner):
+class AscendHostModelRunner(TreeVerificationRunnerMixin, CheckedLoRARunnerMixin, CPUModelRunner):
     def __init__(self, vllm_config, device: torch.device):
         with vllm_proposer_deferred(vllm_config):
             super().__init__(vllm_config, device)

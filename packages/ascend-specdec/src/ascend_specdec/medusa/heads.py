@@ -11,7 +11,7 @@ Imports no vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -125,6 +125,30 @@ class MedusaHeads(nn.Module):
         values, rows = gather(offer).unbind(dim=1)  # [ranks, requests, heads] each
         winner = values.argmax(dim=0, keepdim=True)  # the first of equal maxima: lower rows
         return self.draft_vocab_to_base(rows.gather(0, winner).squeeze(0).long())
+
+    def propose_top_k(self, hidden_states: torch.Tensor, top_k: Sequence[int],
+                      gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+                      ) -> list[torch.Tensor]:
+        """Each head's best candidates, for a tree: head ``h`` offers ``top_k[h]`` base-
+        vocabulary token ids ``[requests, top_k[h]]``, best first (heads past
+        ``len(top_k)`` do not run). Sharded heads gather every rank's best ``top_k[h]``
+        logits and rows and keep the best of those, ties to the lower row."""
+        logits = self.logits(hidden_states, len(top_k))
+        width = max(top_k)
+        values, best = logits.topk(min(width, logits.shape[-1]), dim=-1, sorted=True)
+        rows = best + self.row_offset
+        if gather is not None:
+            offer = torch.stack([values.float(), rows.float()])  # [2, requests, heads, k]
+            gathered = gather(offer)  # [ranks, 2, requests, heads, k]
+            values = torch.cat(gathered[:, 0].unbind(0), dim=-1)
+            rows = torch.cat(gathered[:, 1].unbind(0), dim=-1).long()
+            # Highest logit first, the lower row among equal ones: sort by row, then stably
+            # by value.
+            by_row = rows.argsort(dim=-1)
+            values, rows = values.gather(-1, by_row), rows.gather(-1, by_row)
+            order = values.argsort(dim=-1, descending=True, stable=True)[..., :width]
+            rows = rows.gather(-1, order)
+        return [self.draft_vocab_to_base(rows[:, head, :k]) for head, k in enumerate(top_k)]
 
     def forward(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         return self.propose(hidden_states, num_heads)

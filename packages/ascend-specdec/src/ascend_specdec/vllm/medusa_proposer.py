@@ -31,6 +31,7 @@ from vllm.v1.spec_decode.medusa import MedusaProposer
 from ascend_specdec.medusa.checkpoint import load_heads
 from ascend_specdec.medusa.config import MedusaConfigError, MedusaHeadsConfig
 from ascend_specdec.medusa.heads import MedusaHeads
+from ascend_specdec.medusa.tree import MedusaTree, parse_tree
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,16 @@ def heads_folder(speculative_config: Any) -> Path:
                                   allow_patterns=["*.json", "*.safetensors"]))
 
 
+def configured_tree(vllm_config: Any, *, num_heads: int, num_nodes: int) -> MedusaTree | None:
+    """The tree of ``additional_config["medusa_tree_config"]["paths"]``, checked, or None."""
+    from ascend_core.config import AscendConfig
+
+    paths = AscendConfig.from_dict(vllm_config.additional_config).medusa_tree_config.paths
+    if paths is None:
+        return None
+    return parse_tree(paths, num_heads=num_heads, num_nodes=num_nodes)
+
+
 class AscendMedusaProposer(MedusaProposer):
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         # MedusaProposer.__init__ is not called: it only prepares vLLM's own heads model.
@@ -62,11 +73,16 @@ class AscendMedusaProposer(MedusaProposer):
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.heads_dir = heads_folder(spec_config)
         self.heads_config = MedusaHeadsConfig.load(self.heads_dir)
+        # Tree verification (additional_config "medusa_tree_config"): num_speculative_tokens
+        # counts the tree's nodes, not heads.
+        self.tree: MedusaTree | None = configured_tree(
+            vllm_config, num_heads=self.heads_config.num_heads,
+            num_nodes=self.num_speculative_tokens)
         model_config = vllm_config.model_config
         self.heads_config.check_against_base(
             hidden_size=model_config.get_hidden_size(),
             vocab_size=model_config.get_vocab_size(),
-            num_speculative_tokens=self.num_speculative_tokens,
+            num_speculative_tokens=None if self.tree else self.num_speculative_tokens,
             where=str(self.heads_dir),
         )
         self.hidden_size = self.heads_config.hidden_size
@@ -101,6 +117,9 @@ class AscendMedusaProposer(MedusaProposer):
         hidden = target_hidden_states.to(self.dtype)
         if num_speculative_tokens == 0:  # the draft-length controller chose none this step
             return torch.empty((hidden.shape[0], 0), dtype=torch.long, device=hidden.device)
+        if self.tree is not None:  # the tree's first nodes, breadth first
+            candidates = self.model.propose_top_k(hidden, self.tree.top_k, self._gather)
+            return self.tree.node_tokens(candidates, num_speculative_tokens)
         return self.model.propose(hidden, num_speculative_tokens, self._gather)
 
     @torch.inference_mode()
@@ -109,4 +128,4 @@ class AscendMedusaProposer(MedusaProposer):
             return
         hidden = torch.zeros((num_tokens, self.hidden_size), dtype=self.dtype,
                              device=self.device)
-        self.model.propose(hidden, self.num_speculative_tokens, self._gather)
+        self.propose(self.num_speculative_tokens, hidden)

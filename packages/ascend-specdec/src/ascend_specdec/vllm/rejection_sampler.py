@@ -18,7 +18,15 @@ from vllm.v1.sample.logits_processor import MinTokensLogitsProcessor
 from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN, RejectionSampler
 
 from ascend_kernels.sampling import apply_penalties
+from ascend_specdec.medusa.tree import (
+    MedusaTree,
+    accepted_path_nodes,
+    verify_greedy,
+    verify_sampled,
+)
 from ascend_specdec.rejection import (
+    GREEDY_TEMPERATURE,
+    PLACEHOLDER_TOKEN_ID,
     apply_sampling_constraints,
     rejection_sample,
     verifies_from_logits,
@@ -42,12 +50,18 @@ class AscendRejectionSampler(RejectionSampler):
         self.from_logits = from_logits
         # Steps verified, for tests and logs that need to see this class at work.
         self.num_calls = 0
+        # Medusa tree verification (set by the model runner when the proposer drafts a tree):
+        # the tree, and per request of the last step the accepted nodes, root first.
+        self.tree: MedusaTree | None = None
+        self.tree_accepted: list[list[int]] = []
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         if metadata.max_spec_len > MAX_SPEC_LEN:
             raise ValueError(f"a request has {metadata.max_spec_len} draft tokens; at most "
                              f"{MAX_SPEC_LEN} are supported (num_speculative_tokens)")
         self.num_calls += 1
+        if self.tree is not None:
+            return self._verify_tree(metadata, logits, sampling_metadata)
         wants_logprobs = sampling_metadata.max_num_logprobs is not None
         bonus_output = self.sampler(
             logits=logits.index_select(0, metadata.bonus_logits_indices),
@@ -99,6 +113,45 @@ class AscendRejectionSampler(RejectionSampler):
                 bonus_output.logprobs_tensors.logprobs, output_token_ids)
         return SamplerOutput(sampled_token_ids=output_token_ids,
                              logprobs_tensors=logprobs_tensors)
+
+    def _verify_tree(self, metadata, logits, sampling_metadata) -> SamplerOutput:
+        """Verify each request's tree prefix (``ascend_specdec.medusa.tree``): request ``r``
+        has ``1 + m_r`` logits rows, its root's and its nodes'. Temperature, top-k and
+        top-p apply; the model's platform refuses the other sampling options (penalties,
+        logprobs, bad words, allowed tokens, min tokens, structured output) at admission
+        while a tree is configured."""
+        tree = self.tree
+        counts = list(metadata.num_draft_tokens)
+        rows = torch.tensor([m + 1 for m in counts], device=logits.device)
+        cu_rows = torch.cumsum(rows, 0, dtype=torch.int32)
+        starts = (cu_rows - rows).tolist()
+        drafts = metadata.draft_token_ids.tolist()
+        cu_drafts = [0, *torch.cumsum(torch.tensor(counts, dtype=torch.long), 0).tolist()]
+        greedy = (None if sampling_metadata.all_random else
+                  logits.argmax(dim=-1).tolist())
+        probs = None
+        if not sampling_metadata.all_greedy:
+            target = apply_sampling_constraints(
+                logits.to(torch.float32), cu_rows, sampling_metadata.temperature,
+                sampling_metadata.top_k, sampling_metadata.top_p, backend=self.backend)
+            probs = target.softmax(dim=-1, dtype=torch.float32).cpu()
+        temperature = (None if sampling_metadata.temperature is None
+                       else sampling_metadata.temperature.tolist())
+        out = torch.full((len(counts), metadata.max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
+                         dtype=torch.int32)
+        self.tree_accepted = []
+        for r, m in enumerate(counts):
+            own = drafts[cu_drafts[r]:cu_drafts[r + 1]]
+            start = starts[r]
+            if sampling_metadata.all_greedy or (temperature is not None
+                                                and temperature[r] == GREEDY_TEMPERATURE):
+                tokens, last = verify_greedy(tree, own, greedy[start:start + m + 1])
+            else:
+                tokens, last = verify_sampled(tree, own, probs[start:start + m + 1],
+                                              sampling_metadata.generators.get(r))
+            out[r, :len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            self.tree_accepted.append(accepted_path_nodes(tree, last))
+        return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=None)
 
     def _verifies_untouched_rows(self, logits, sampling_metadata, wants_logprobs) -> bool:
         """Whether the draft rows can be verified where they lie: every request greedy or

@@ -1,0 +1,275 @@
+"""Tree verification steps (Medusa's candidate trees) on vLLM's CPU attention: the host
+target's attention path for tree masks, which vLLM's CPU attention kernel does not have.
+
+In a tree step a request scores its last accepted token (the root) and ``m`` draft nodes in
+one query. The runner gives each node the position ``root + depth`` (``tree_positions``);
+the KV cache slots stay consecutive, so node ``j`` is stored at slot position
+``root + 1 + j``. vLLM's kernel writes the cache and attends causally; this module then
+recomputes the node rows in torch, each over the context, its ancestors and itself, and
+keeps the nodes' keys and values. After verification, ``compact`` writes the accepted
+path's keys and values to the positions ``root + 1 ..`` (through vLLM's own cache-write
+op), so no rejected branch survives into the next step: the scheduler keeps the tokens
+up to the accepted path and later steps overwrite the rest.
+
+The context is read back from vLLM's CPU cache, whose per-block layout depends on the
+kernel ISA (keys transposed for the vector kernels, pair-interleaved for AMX). The layout
+is not hard-coded: :func:`cache_layout` probes it once per (ISA, dtype, block size, head
+size) by writing known values through vLLM's cache-write op.
+
+The drafter's tree is duck-typed (``depths``, ``ancestor_mask(m)``), so this module needs
+nothing of ascend-specdec.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TreeRequest:
+    index: int  # the request's row in the batch (and in the block table)
+    query_start: int  # its root token's row among the step's tokens
+    root_position: int  # the root's position: context tokens before it
+    mask: torch.Tensor  # [m + 1, m + 1] bool: the root and nodes each row may attend to
+
+    @property
+    def num_nodes(self) -> int:
+        return self.mask.shape[0] - 1
+
+
+@dataclass
+class _LayerNodes:
+    """One attention layer's nodes of a step, kept for ``compact``."""
+
+    impl: Any
+    layer: Any
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    keys: list[torch.Tensor]  # per tree request: [m, kv_heads, head] as written
+    values: list[torch.Tensor]
+
+
+@dataclass
+class TreeStep:
+    requests: list[TreeRequest]
+    layers: list[_LayerNodes] = field(default_factory=list)
+
+
+_current: TreeStep | None = None
+
+
+def current_step() -> TreeStep | None:
+    return _current
+
+
+def set_step(step: TreeStep | None) -> None:
+    global _current
+    _current = step
+
+
+def plan_step(tree: Any, num_draft_tokens: Sequence[int], query_start_loc: Sequence[int],
+              num_computed_tokens: Sequence[int]) -> TreeStep | None:
+    """The step's tree requests (those with drafts), or None when no request has any."""
+    requests = [
+        TreeRequest(index=r, query_start=int(query_start_loc[r]),
+                    root_position=int(num_computed_tokens[r]), mask=tree.ancestor_mask(m))
+        for r, m in enumerate(num_draft_tokens) if m > 0
+    ]
+    return TreeStep(requests) if requests else None
+
+
+def tree_positions(step: TreeStep, tree: Any, positions: torch.Tensor) -> None:
+    """Give each node the position of its depth below the root, in place."""
+    for request in step.requests:
+        m = request.num_nodes
+        start = request.query_start + 1
+        depths = torch.tensor(tree.depths[:m], dtype=positions.dtype)
+        positions[start:start + m] = request.root_position + depths.to(positions.device)
+
+
+# --------------------------------------------------------------------------- cache layout
+
+
+def _cache_ops():
+    from vllm import _custom_ops as ops
+
+    return ops
+
+
+def _split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU cache ``[blocks, kv_heads, block, 2 * head]`` as its key and value parts,
+    the way vLLM's CPU attention splits it."""
+    blocks, kv_heads, block_size, _ = kv_cache.shape
+    view = kv_cache.view(blocks, kv_heads, 2 * block_size, -1)
+    key_cache, value_cache = view.chunk(2, dim=2)
+    return key_cache, value_cache
+
+
+@functools.lru_cache(maxsize=16)
+def cache_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where vLLM's cache-write op puts token ``t``'s element ``d`` of one (block, kv head):
+    for keys and for values, ``[block_size * head_size]`` indices into that block-head's
+    ``block_size * head_size`` elements, in ``(t, d)`` order. Probed by writing ``t`` and
+    then ``d`` as values (exact in every float dtype up to 256)."""
+    if block_size > 256 or head_size > 256:
+        raise ValueError(f"tree verification reads caches of blocks and heads up to 256, got "
+                         f"block_size={block_size}, head_size={head_size}")
+    ops = _cache_ops()
+    slots = torch.arange(block_size, dtype=torch.long)
+    token = torch.arange(block_size, dtype=torch.float32)[:, None, None].expand(
+        block_size, 1, head_size)
+    dim = torch.arange(head_size, dtype=torch.float32)[None, None, :].expand(
+        block_size, 1, head_size)
+    found = []
+    for values in (token, dim):
+        cache = torch.zeros((1, 1, block_size, 2 * head_size), dtype=dtype)
+        key_cache, value_cache = _split_cache(cache)
+        written = values.to(dtype).contiguous()
+        ops.cpu_attn_reshape_and_cache(written, written, key_cache, value_cache, slots, isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        found.append(cache.view(2, block_size * head_size).float().round().long())
+    layouts = []
+    for part in (0, 1):
+        plain = found[0][part] * head_size + found[1][part]
+        where = torch.empty_like(plain)
+        where[plain] = torch.arange(plain.numel())
+        if not torch.equal(plain[where], torch.arange(plain.numel())):
+            raise RuntimeError(f"vLLM's CPU cache layout for isa={isa!r} ({dtype}, block "
+                               f"{block_size}, head {head_size}) is not a permutation of "
+                               "the tokens' elements; tree verification cannot read it")
+        layouts.append(where)
+    return layouts[0], layouts[1]
+
+
+def read_context(impl: Any, layer: Any, kv_cache: torch.Tensor, block_row: torch.Tensor,
+                 num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[num_tokens, kv_heads, head]`` of a request's first tokens."""
+    blocks, kv_heads, block_size, double_head = kv_cache.shape
+    head_size = double_head // 2
+    key_at, value_at = cache_layout(layer.isa, kv_cache.dtype, block_size, head_size)
+    used = -(-num_tokens // block_size)
+    region = kv_cache.view(blocks, kv_heads, 2, block_size * head_size)[block_row[:used]]
+
+    def plain(part: int, where: torch.Tensor) -> torch.Tensor:
+        rows = region[:, :, part].index_select(-1, where)
+        rows = rows.view(used, kv_heads, block_size, head_size).permute(0, 2, 1, 3)
+        return rows.reshape(used * block_size, kv_heads, head_size)[:num_tokens]
+
+    return plain(0, key_at), plain(1, value_at)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def check_layer(name: str, impl: Any) -> None:
+    """Refuse a layer whose attention the tree path does not reproduce."""
+    unsupported = [what for what, present in (
+        ("a sliding window", getattr(impl, "sliding_window", None) not in (None, -1)
+         and getattr(impl, "sliding_window", None) != (-1, -1)),
+        ("ALiBi slopes", getattr(impl, "alibi_slopes", None) is not None),
+        ("a logit soft cap", bool(getattr(impl, "logits_soft_cap", 0) or 0)),
+        ("attention sinks", getattr(impl, "sinks", None) is not None),
+        (f"a quantized KV cache ({getattr(impl, 'kv_cache_dtype', '')})",
+         getattr(impl, "kv_cache_dtype", "auto") not in ("auto", None)),
+    ) if present]
+    if unsupported:
+        raise ValueError(f"Medusa tree verification (medusa_tree_config) does not serve "
+                         f"attention layer {name} with {', '.join(unsupported)}; remove "
+                         "medusa_tree_config.paths to verify one chain")
+
+
+def install(attention_layers: dict[str, Any]) -> int:
+    """Wrap the forward of every attention layer's implementation (vLLM's CPU attention)
+    so that tree steps recompute their node rows. Returns the number of layers wrapped."""
+    wrapped = 0
+    for name, layer in attention_layers.items():
+        impl = getattr(layer, "impl", None)
+        if impl is None or getattr(impl, "_tree_wrapped", False):
+            continue
+        check_layer(name, impl)
+        original = impl.forward
+
+        def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                    _original=original, _impl=impl, **kwargs):
+            result = _original(layer, query, key, value, kv_cache, attn_metadata, output,
+                               *args, **kwargs)
+            step = _current
+            if step is not None and attn_metadata is not None:
+                attend_nodes(step, _impl, layer, query, key, value, kv_cache, attn_metadata,
+                             output)
+            return result
+
+        impl.forward = forward
+        impl._tree_wrapped = True
+        wrapped += 1
+    return wrapped
+
+
+def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
+                 key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 attn_metadata: Any, output: torch.Tensor) -> None:
+    """Recompute the node rows of every tree request in ``output``, and keep the nodes'
+    keys and values for ``compact``."""
+    heads, head_size = query.shape[1], query.shape[2]
+    rows_out = output.view(output.shape[0], heads, head_size)
+    kept = _LayerNodes(impl, layer, kv_cache, attn_metadata.block_table, [], [])
+    for request in step.requests:
+        m, start, root = request.num_nodes, request.query_start, request.root_position
+        nodes = slice(start + 1, start + 1 + m)
+        kept.keys.append(key[nodes].clone())
+        kept.values.append(value[nodes].clone())
+        context_k, context_v = read_context(impl, layer, kv_cache,
+                                            attn_metadata.block_table[request.index], root)
+        keys = torch.cat([context_k, key[start:start + 1 + m]]).float()
+        values = torch.cat([context_v, value[start:start + 1 + m]]).float()
+        group = heads // keys.shape[1]
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[nodes].float(), keys) * impl.scale
+        allowed = torch.cat([torch.ones((m, root), dtype=torch.bool), request.mask[1:]], dim=1)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        attended = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
+        rows_out[nodes] = attended.to(rows_out.dtype)
+    step.layers.append(kept)
+
+
+def compact(step: TreeStep, accepted: Sequence[Sequence[int]]) -> int:
+    """Move each request's accepted path (its nodes, root first, per ``step.requests``
+    order of requests with drafts: ``accepted[request.index]``) to the positions right
+    after its root, in every layer's cache. Returns the tokens moved per layer."""
+    ops = _cache_ops()
+    moved = 0
+    for kept in step.layers:
+        key_cache, value_cache = _split_cache(kept.kv_cache)
+        block_size = kept.kv_cache.shape[2]
+        keys, values, slots = [], [], []
+        for request, node_keys, node_values in zip(step.requests, kept.keys, kept.values,
+                                                   strict=True):
+            path = accepted[request.index]
+            for depth, node in enumerate(path, start=1):
+                if node == depth - 1:  # already in place
+                    continue
+                position = request.root_position + depth
+                block = int(kept.block_table[request.index, position // block_size])
+                slots.append(block * block_size + position % block_size)
+                keys.append(node_keys[node])
+                values.append(node_values[node])
+        if not slots:
+            continue
+        ops.cpu_attn_reshape_and_cache(
+            torch.stack(keys), torch.stack(values), key_cache, value_cache,
+            torch.tensor(slots, dtype=torch.long), kept.layer.isa,
+            k_scale=kept.layer._k_scale_float, v_scale=kept.layer._v_scale_float,
+            kv_cache_dtype=kept.impl.kv_cache_dtype)
+        moved = len(slots)
+    return moved

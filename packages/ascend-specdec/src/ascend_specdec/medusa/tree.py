@@ -1,0 +1,214 @@
+"""Medusa's tree verification: the static candidate tree, its attention mask, and the
+walk that verifies a scored tree (greedy and sampled). Imports no vLLM.
+
+A tree is a list of paths, as in Medusa's papers: ``[0]`` is head 0's best candidate,
+``[0, 1]`` head 1's second-best candidate following it, ``[2, 0, 0]`` three heads deep.
+Every head reads the same hidden state (the last accepted token's), so a node's token is
+the top-``path[-1]`` candidate of head ``len(path) - 1`` whatever its parents are.
+
+Nodes are kept in breadth-first order (by depth, then path), so parents come before
+children and the first ``m`` nodes of a tree are a tree themselves: a request verifying
+``m`` draft tokens (the draft-length controller's choice) verifies that prefix.
+
+A request verifies its last accepted token (the root, row 0) and its ``m`` nodes (rows
+``1..m``): each row attends to the context, its ancestors and itself (``ancestor_mask``),
+at position ``root + depth``. Node ``j``'s token is checked against the target's row of its
+parent; the longest path of accepted nodes wins, and the next token comes from the row of
+its last node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from ascend_specdec.medusa.config import MedusaConfigError
+
+# Candidates a head may offer a tree: top-k of each head's logits, k at most this.
+MAX_TOP_K = 16
+
+
+@dataclass(frozen=True)
+class MedusaTree:
+    """A checked tree (build it with :func:`parse_tree`). ``paths`` in breadth-first order."""
+
+    paths: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return max(len(path) for path in self.paths)
+
+    @cached_property
+    def parents(self) -> tuple[int, ...]:
+        """Each node's parent node index, -1 for the root."""
+        index = {path: i for i, path in enumerate(self.paths)}
+        return tuple(index[path[:-1]] if len(path) > 1 else -1 for path in self.paths)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        return tuple(len(path) for path in self.paths)
+
+    @cached_property
+    def top_k(self) -> tuple[int, ...]:
+        """Candidates each head must offer: ``top_k[h]`` for head ``h`` (0 where unused)."""
+        needed = [0] * self.depth
+        for path in self.paths:
+            needed[len(path) - 1] = max(needed[len(path) - 1], path[-1] + 1)
+        return tuple(needed)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """Node indices under each row: ``children[0]`` the root's, ``children[j + 1]``
+        node ``j``'s, in path order."""
+        rows: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
+        for node, parent in enumerate(self.parents):
+            rows[parent + 1].append(node)
+        return tuple(tuple(row) for row in rows)
+
+    def ancestor_mask(self, num_nodes: int | None = None) -> torch.Tensor:
+        """``[m + 1, m + 1]`` bool over the root and the first ``m`` nodes: row ``i`` may
+        attend to column ``j`` when ``j`` is ``i`` or one of its ancestors (the root is
+        everyone's)."""
+        m = self.num_nodes if num_nodes is None else num_nodes
+        mask = torch.zeros((m + 1, m + 1), dtype=torch.bool)
+        mask[:, 0] = True
+        for node in range(m):
+            row = node + 1
+            mask[row, row] = True
+            parent = self.parents[node]
+            if parent >= 0:
+                mask[row] |= mask[parent + 1]
+        return mask
+
+    def node_tokens(self, candidates: Sequence[torch.Tensor], num_nodes: int) -> torch.Tensor:
+        """Draft tokens of the first ``num_nodes`` nodes: ``candidates[h]`` is head ``h``'s
+        ``[requests, top_k[h]]`` best tokens, best first. -> ``[requests, num_nodes]``."""
+        columns = [candidates[len(path) - 1][:, path[-1]] for path in self.paths[:num_nodes]]
+        if not columns:
+            return candidates[0][:, :0]
+        return torch.stack(columns, dim=1)
+
+
+def parse_tree(spec: object, *, num_heads: int, num_nodes: int,
+               where: str = "medusa_tree_config.paths") -> MedusaTree:
+    """Check a tree given as a list of paths, for heads of ``num_heads`` heads verifying
+    ``num_nodes`` draft tokens per step (``num_speculative_tokens``)."""
+    if not isinstance(spec, Sequence) or isinstance(spec, str) or not spec:
+        raise MedusaConfigError(f"{where} must be a non-empty list of paths such as "
+                                f"[[0], [0, 0], [1]], got {spec!r}")
+    paths = []
+    for path in spec:
+        if (not isinstance(path, Sequence) or isinstance(path, str) or not path
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in path)):
+            raise MedusaConfigError(f"{where}: each path must be a non-empty list of candidate "
+                                    f"indices (integers), got {path!r}")
+        paths.append(tuple(path))
+    for path in paths:
+        if len(path) > num_heads:
+            raise MedusaConfigError(
+                f"{where}: path {list(path)} is {len(path)} deep, but the Medusa heads have "
+                f"{num_heads} heads (one per depth): use paths of at most {num_heads} indices")
+        bad = [i for i in path if not 0 <= i < MAX_TOP_K]
+        if bad:
+            raise MedusaConfigError(
+                f"{where}: path {list(path)} has candidate index {bad[0]}; each head offers "
+                f"its top {MAX_TOP_K} candidates, so indices must be 0 to {MAX_TOP_K - 1}")
+    seen: set[tuple[int, ...]] = set()
+    for path in paths:
+        if path in seen:
+            raise MedusaConfigError(f"{where}: path {list(path)} is given twice; give each "
+                                    "path once")
+        seen.add(path)
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in seen:
+            raise MedusaConfigError(
+                f"{where}: path {list(path)} has no parent path {list(path[:-1])} in the "
+                "tree; add it (every prefix of a path is a node too)")
+    if len(paths) != num_nodes:
+        raise MedusaConfigError(
+            f"{where}: the tree has {len(paths)} nodes but num_speculative_tokens="
+            f"{num_nodes} (the draft tokens a step verifies per request): set "
+            f"num_speculative_tokens to {len(paths)}, or give a tree of {num_nodes} nodes")
+    return MedusaTree(tuple(sorted(paths, key=lambda path: (len(path), path))))
+
+
+def verify_greedy(tree: MedusaTree, drafts: Sequence[int], target: Sequence[int]
+                  ) -> tuple[list[int], int]:
+    """One request's greedy verification: ``drafts`` its first ``m`` nodes' tokens,
+    ``target`` the target's argmax at rows ``0..m``. Returns the tokens to emit (the
+    accepted path, then the target's next token) and the row of the path's last node."""
+    m = len(drafts)
+    row, emitted = 0, []
+    while True:
+        want = target[row]
+        child = next((node for node in tree.children[row] if node < m and drafts[node] == want),
+                     None)
+        if child is None:
+            return emitted + [want], row
+        emitted.append(want)
+        row = child + 1
+
+
+def verify_sampled(tree: MedusaTree, drafts: Sequence[int], probs: torch.Tensor,
+                   generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """One request's sampled verification: ``probs [m + 1, V]`` the target's distribution
+    at rows ``0..m``. The drafts are deterministic (a head's top candidates), so at each
+    node its children are tried in turn: a child is accepted with the probability the
+    remaining distribution gives its token; a rejected token's mass is removed and the rest
+    renormalised; when every child is rejected, the next token is drawn from what remains.
+    The emitted tokens follow the target's distribution exactly (recursive rejection
+    sampling with point-mass drafts). Returns the tokens and the last node's row."""
+    m = len(drafts)
+    row, emitted = 0, []
+    while True:
+        remaining = probs[row].double().clone()
+        accepted = None
+        for node in tree.children[row]:
+            if node >= m:
+                continue
+            token = drafts[node]
+            total = remaining.sum()
+            if total <= 0:
+                break
+            draw = torch.rand((), generator=generator, dtype=torch.float64)
+            if draw * total < remaining[token]:
+                accepted = node
+                break
+            remaining[token] = 0.0
+        if accepted is None:
+            if remaining.sum() <= 0:  # every token with mass was a rejected draft: cannot be
+                remaining = probs[row].double().clone()
+            token = int(torch.multinomial(remaining, 1, generator=generator))
+            return emitted + [token], row
+        emitted.append(drafts[accepted])
+        row = accepted + 1
+
+
+def tree_positions(tree: MedusaTree, num_nodes: int) -> list[int]:
+    """Position offsets of the root and the first ``num_nodes`` nodes from the root's."""
+    return [0, *tree.depths[:num_nodes]]
+
+
+def accepted_path_nodes(tree: MedusaTree, last_row: int) -> list[int]:
+    """The node indices of the accepted path ending at ``last_row`` (0: none), root first."""
+    nodes = []
+    node = last_row - 1
+    while node >= 0:
+        nodes.append(node)
+        node = tree.parents[node]
+    return nodes[::-1]
+
+
+def tree_from_config(config: Mapping[str, object] | None, *, num_heads: int,
+                     num_nodes: int) -> MedusaTree | None:
+    """The tree of ``medusa_tree_config`` (``paths``), or None when it gives none."""
+    if not config or config.get("paths") is None:
+        return None
+    return parse_tree(config["paths"], num_heads=num_heads, num_nodes=num_nodes)
