@@ -52,9 +52,18 @@ class _LayerNodes:
     impl: Any
     layer: Any
     kv_cache: torch.Tensor
-    block_table: torch.Tensor
-    keys: list[torch.Tensor]  # per tree request: [m, kv_heads, head] as written
-    values: list[torch.Tensor]
+    # Per tree request: the slots of positions root + 1 .. root + m, and the nodes' keys
+    # and values [m, kv_heads, head] as written there.
+    slots: list[torch.Tensor] = field(default_factory=list)
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    def keep(self, request: TreeRequest, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+        nodes = slice(request.query_start + 1, request.query_start + 1 + request.num_nodes)
+        self.slots.append(slot_mapping[nodes].clone())
+        self.keys.append(key[nodes].clone())
+        self.values.append(value[nodes].clone())
 
 
 @dataclass
@@ -98,12 +107,6 @@ def tree_positions(step: TreeStep, tree: Any, positions: torch.Tensor) -> None:
 # --------------------------------------------------------------------------- cache layout
 
 
-def _cache_ops():
-    from vllm import _custom_ops as ops
-
-    return ops
-
-
 def _split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's CPU cache ``[blocks, kv_heads, block, 2 * head]`` as its key and value parts,
     the way vLLM's CPU attention splits it."""
@@ -123,7 +126,8 @@ def cache_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
     if block_size > 256 or head_size > 256:
         raise ValueError(f"tree verification reads caches of blocks and heads up to 256, got "
                          f"block_size={block_size}, head_size={head_size}")
-    ops = _cache_ops()
+    from vllm import _custom_ops as ops
+
     slots = torch.arange(block_size, dtype=torch.long)
     token = torch.arange(block_size, dtype=torch.float32)[:, None, None].expand(
         block_size, 1, head_size)
@@ -187,15 +191,18 @@ def check_layer(name: str, impl: Any) -> None:
                          "medusa_tree_config.paths to verify one chain")
 
 
-def install(attention_layers: dict[str, Any]) -> int:
-    """Wrap the forward of every attention layer's implementation (vLLM's CPU attention)
-    so that tree steps recompute their node rows. Returns the number of layers wrapped."""
+def install(attention_layers: dict[str, Any], *, recompute: bool) -> int:
+    """Wrap the forward of every attention layer's implementation so that tree steps keep
+    their nodes' keys and values for ``compact`` and, with ``recompute`` (vLLM's CPU
+    attention, which has no tree mask), recompute their node rows. Returns the number of
+    layers wrapped."""
     wrapped = 0
     for name, layer in attention_layers.items():
         impl = getattr(layer, "impl", None)
         if impl is None or getattr(impl, "_tree_wrapped", False):
             continue
-        check_layer(name, impl)
+        if recompute:
+            check_layer(name, impl)
         original = impl.forward
 
         def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args,
@@ -204,8 +211,13 @@ def install(attention_layers: dict[str, Any]) -> int:
                                *args, **kwargs)
             step = _current
             if step is not None and attn_metadata is not None:
-                attend_nodes(step, _impl, layer, query, key, value, kv_cache, attn_metadata,
-                             output)
+                kept = _LayerNodes(_impl, layer, kv_cache)
+                for request in step.requests:
+                    kept.keep(request, key, value, attn_metadata.slot_mapping)
+                step.layers.append(kept)
+                if recompute:
+                    attend_nodes(step, _impl, layer, query, key, value, kv_cache,
+                                 attn_metadata, output)
             return result
 
         impl.forward = forward
@@ -217,16 +229,13 @@ def install(attention_layers: dict[str, Any]) -> int:
 def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  attn_metadata: Any, output: torch.Tensor) -> None:
-    """Recompute the node rows of every tree request in ``output``, and keep the nodes'
-    keys and values for ``compact``."""
+    """Recompute the node rows of every tree request in ``output`` (vLLM's CPU attention
+    and cache layout)."""
     heads, head_size = query.shape[1], query.shape[2]
     rows_out = output.view(output.shape[0], heads, head_size)
-    kept = _LayerNodes(impl, layer, kv_cache, attn_metadata.block_table, [], [])
     for request in step.requests:
         m, start, root = request.num_nodes, request.query_start, request.root_position
         nodes = slice(start + 1, start + 1 + m)
-        kept.keys.append(key[nodes].clone())
-        kept.values.append(value[nodes].clone())
         context_k, context_v = read_context(impl, layer, kv_cache,
                                             attn_metadata.block_table[request.index], root)
         keys = torch.cat([context_k, key[start:start + 1 + m]]).float()
@@ -240,36 +249,25 @@ def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
         scores = scores.masked_fill(~allowed, float("-inf"))
         attended = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
         rows_out[nodes] = attended.to(rows_out.dtype)
-    step.layers.append(kept)
 
 
 def compact(step: TreeStep, accepted: Sequence[Sequence[int]]) -> int:
-    """Move each request's accepted path (its nodes, root first, per ``step.requests``
-    order of requests with drafts: ``accepted[request.index]``) to the positions right
-    after its root, in every layer's cache. Returns the tokens moved per layer."""
-    ops = _cache_ops()
+    """Move each request's accepted path (``accepted[request.index]``: its nodes, root
+    first) to the slots right after its root (those the step gave its first nodes), in
+    every layer's cache, through the layer's own cache write. Returns the tokens moved
+    per layer."""
     moved = 0
     for kept in step.layers:
-        key_cache, value_cache = _split_cache(kept.kv_cache)
-        block_size = kept.kv_cache.shape[2]
         keys, values, slots = [], [], []
-        for request, node_keys, node_values in zip(step.requests, kept.keys, kept.values,
-                                                   strict=True):
-            path = accepted[request.index]
-            for depth, node in enumerate(path, start=1):
-                if node == depth - 1:  # already in place
-                    continue
-                position = request.root_position + depth
-                block = int(kept.block_table[request.index, position // block_size])
-                slots.append(block * block_size + position % block_size)
-                keys.append(node_keys[node])
-                values.append(node_values[node])
-        if not slots:
-            continue
-        ops.cpu_attn_reshape_and_cache(
-            torch.stack(keys), torch.stack(values), key_cache, value_cache,
-            torch.tensor(slots, dtype=torch.long), kept.layer.isa,
-            k_scale=kept.layer._k_scale_float, v_scale=kept.layer._v_scale_float,
-            kv_cache_dtype=kept.impl.kv_cache_dtype)
+        for request, node_slots, node_keys, node_values in zip(
+                step.requests, kept.slots, kept.keys, kept.values, strict=True):
+            for depth, node in enumerate(accepted[request.index], start=1):
+                if node != depth - 1:  # node `depth - 1` is in place already
+                    slots.append(node_slots[depth - 1])
+                    keys.append(node_keys[node])
+                    values.append(node_values[node])
+        if slots:
+            kept.impl.do_kv_cache_update(kept.layer, torch.stack(keys), torch.stack(values),
+                                         kept.kv_cache, torch.stack(slots))
         moved = len(slots)
     return moved

@@ -25,6 +25,9 @@ class TreeVerificationRunnerMixin:
     """Mixed in before vLLM's model runner class."""
 
     tree: Any = None
+    # Whether the attention kernel ignores tree masks, so that the node rows are recomputed
+    # (vLLM's CPU attention); the npu attention backend applies them itself.
+    tree_attention_recomputes = True
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -35,7 +38,7 @@ class TreeVerificationRunnerMixin:
         from vllm.model_executor.layers.attention import Attention
 
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
-        wrapped = tree_verification.install(layers)
+        wrapped = tree_verification.install(layers, recompute=self.tree_attention_recomputes)
         self.rejection_sampler.tree = self.tree
         logger.info("Medusa tree verification: %d nodes, %d deep, over %d attention layers",
                     len(self.tree.paths), self.tree.depth, wrapped)
