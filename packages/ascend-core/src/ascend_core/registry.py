@@ -106,5 +106,10 @@ EPLB_POLICIES: Registry[Callable[..., Any]] = Registry("EPLB policy")
 # check_and_update_config (e.g. ascend-quant selecting its method for an msModelSlim folder).
 CONFIG_HOOKS: Registry[Callable[[Any], Any]] = Registry("vLLM config hook")
 
+# Request checks: name -> callable(sampling_params) raising ValueError (one line: what is not
+# served, and what to do) for a request the configured engine cannot serve; both platforms run
+# them in vLLM's validate_request, so such a request is refused alone, at admission.
+REQUEST_CHECKS: Registry[Callable[[Any], None]] = Registry("request check")
+
 # Custom ops: vLLM CustomOp name (e.g. "RMSNorm") -> replacement class.
 CUSTOM_OPS: Registry[type] = Registry("custom op")

@@ -29,6 +29,10 @@ def register() -> None:
     from ascend_core.registry import CONFIG_HOOKS
 
     CONFIG_HOOKS.register(DRAFT_LENGTH_HOOK, _install_draft_length_scheduler)
+    CONFIG_HOOKS.register(MEDUSA_TREE_HOOK, _check_medusa_tree)
+    from ascend_core.registry import REQUEST_CHECKS
+
+    REQUEST_CHECKS.register(MEDUSA_TREE_HOOK, _check_medusa_tree_request)
 
 
 # Core's CONFIG_HOOKS entry that puts the draft-length controller in vLLM's scheduler.
@@ -39,6 +43,22 @@ def _install_draft_length_scheduler(vllm_config) -> None:
     from ascend_specdec.vllm.draft_length import install_draft_length_scheduler
 
     install_draft_length_scheduler(vllm_config)
+
+
+# Core's CONFIG_HOOKS and REQUEST_CHECKS entries for Medusa trees.
+MEDUSA_TREE_HOOK = "ascend_specdec.medusa_tree"
+
+
+def _check_medusa_tree(vllm_config) -> None:
+    from ascend_specdec.vllm.medusa_tree import check_config
+
+    check_config(vllm_config)
+
+
+def _check_medusa_tree_request(params) -> None:
+    from ascend_specdec.vllm.medusa_tree import check_request
+
+    check_request(params)
 
 
 def _register_rejection_sampler() -> None:

@@ -45,7 +45,7 @@ torch_npu is imported inside the functions that run on the device, so this modul
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from vllm.utils.torch_utils import get_dtype_size
@@ -61,7 +61,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from ascend_core.attention import ASCEND_ATTN_NAME
+from ascend_core.attention import ASCEND_ATTN_NAME, tree_verification
 
 # Page attention with more than one query token per request takes block sizes of 128 to
 # 512 in steps of 128 (torch_npu-npu_fused_infer_attention_score.md); vLLM's blocks may be
@@ -238,6 +238,25 @@ class AscendAttentionMetadata:
     tiling: CacheTiling | None = None
 
 
+def tree_attention_mask(step: tree_verification.TreeStep, query_lens: list[int],
+                        seq_lens: list[int], block_size: int, device: Any) -> torch.Tensor:
+    """The op's full mask (``sparse_mode=0``; True: not computed) ``[B, 1, Q_S, KV_S]``
+    for a step with Medusa trees: rows right-down causal, as ``sparse_mode=3`` makes
+    them, except each tree request's root and nodes, which see the context and their
+    ancestors. KV_S spans the longest request's blocks (the page's rule for page attention
+    with a full mask); the columns are the requests' key positions."""
+    batch, q_s = len(query_lens), max(query_lens)
+    kv_s = -(-max(seq_lens) // block_size) * block_size
+    rows = torch.arange(q_s).view(1, q_s, 1)
+    columns = torch.arange(kv_s).view(1, 1, kv_s)
+    shift = torch.tensor([kv - q for q, kv in zip(query_lens, seq_lens, strict=True)])
+    hidden = columns > rows + shift.view(batch, 1, 1)
+    for request in step.requests:
+        m, root = request.num_nodes, request.root_position
+        hidden[request.index, :m + 1, root:root + m + 1] = ~request.mask
+    return hidden.unsqueeze(1).to(device)
+
+
 class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
     """Metadata for the fused op; graph support: uniform batches (decode, and speculative
     verification with the same query length in every request).
@@ -334,6 +353,16 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
             padded_rows = torch.tensor(rows, dtype=torch.long).to(self.device)
 
         incremental = max_query_len <= 1
+        attn_mask = None if incremental else self._compressed_causal_mask()
+        sparse_mode = SPARSE_MODE_NO_MASK if incremental else SPARSE_MODE_RIGHT_DOWN_CAUSAL
+        tree_step = tree_verification.current_step()
+        if tree_step is not None:
+            if graph_decode:
+                raise RuntimeError("a Medusa tree step was taken for a FULL decode graph; "
+                                   "tree verification runs without FULL decode graphs")
+            attn_mask = tree_attention_mask(tree_step, query_lens, seq_lens,
+                                            self.tiling.kernel_block_size, self.device)
+            sparse_mode = SPARSE_MODE_NO_MASK
         return AscendAttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=num_reqs,
@@ -343,8 +372,8 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
             block_table=self._block_table(meta.block_table_tensor[:num_reqs]),
             slot_mapping=meta.slot_mapping[:num_tokens],
             padded_rows=padded_rows,
-            attn_mask=None if incremental else self._compressed_causal_mask(),
-            sparse_mode=SPARSE_MODE_NO_MASK if incremental else SPARSE_MODE_RIGHT_DOWN_CAUSAL,
+            attn_mask=attn_mask,
+            sparse_mode=sparse_mode,
             graph_decode=graph_decode,
             tiling=self.tiling,
         )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,18 +191,18 @@ def check_layer(name: str, impl: Any) -> None:
                          "medusa_tree_config.paths to verify one chain")
 
 
-def install(attention_layers: dict[str, Any], *, recompute: bool) -> int:
+def install(attention_layers: dict[str, Any], *, recompute: bool,
+            check: Callable[[str, Any], None] = check_layer) -> int:
     """Wrap the forward of every attention layer's implementation so that tree steps keep
     their nodes' keys and values for ``compact`` and, with ``recompute`` (vLLM's CPU
-    attention, which has no tree mask), recompute their node rows. Returns the number of
-    layers wrapped."""
+    attention, which has no tree mask), recompute their node rows. ``check`` refuses a
+    layer the target's tree path does not serve. Returns the number of layers wrapped."""
     wrapped = 0
     for name, layer in attention_layers.items():
         impl = getattr(layer, "impl", None)
         if impl is None or getattr(impl, "_tree_wrapped", False):
             continue
-        if recompute:
-            check_layer(name, impl)
+        check(name, impl)
         original = impl.forward
 
         def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args,

@@ -7,7 +7,7 @@ import os
 
 from ascend_core import envs
 from ascend_core.distributed.ray_checks import require_ray
-from ascend_core.registry import CONFIG_HOOKS
+from ascend_core.registry import CONFIG_HOOKS, REQUEST_CHECKS
 from ascend_core.suggest import did_you_mean
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,13 @@ class AscendPlatformMixin:
         """The leaf packages' hooks (core's CONFIG_HOOKS), in name order."""
         for name in CONFIG_HOOKS:
             CONFIG_HOOKS.get(name)(vllm_config)
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        """vLLM's per-request check, then the leaf packages' (core's REQUEST_CHECKS)."""
+        super().validate_request(processed_inputs, params)
+        for name in REQUEST_CHECKS:
+            REQUEST_CHECKS.get(name)(params)
 
     @classmethod
     def log_activation(cls, vllm_version: str) -> None:

@@ -50,6 +50,7 @@ import vllm.compilation.cuda_graph as cuda_graph_module
 import vllm.v1.worker.gpu_model_runner as gpu_model_runner_module
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from ascend_core.attention import ASCEND_ATTN_NAME
 from ascend_core.attention.npu_graph_tasks import graph_cls_with_task_updates, task_counts
 from ascend_core.distributed.npu_communicator import npu_graph_capture
 from ascend_core.lora.checks import CheckedLoRARunnerMixin
@@ -58,6 +59,7 @@ from ascend_core.worker.speculative import (
     install_registered_rejection_sampler,
     vllm_proposer_deferred,
 )
+from ascend_core.worker.tree_runner import TreeVerificationRunnerMixin
 from ascend_core.worker.weight_format import cast_weights_to_nz, nz_mode
 from ascend_kernels.dispatch import torch_npu_module
 
@@ -223,7 +225,11 @@ def check_capture_sizes_fit_cache(
 # --- the runner ------------------------------------------------------------------------------
 
 
-class NPUModelRunner(CheckedLoRARunnerMixin, GPUModelRunner):
+class NPUModelRunner(TreeVerificationRunnerMixin, CheckedLoRARunnerMixin, GPUModelRunner):
+    # Medusa trees: the fused attention op applies the tree mask (npu_attention's
+    # tree_attention_mask), so node rows need no recomputing.
+    tree_attention_recomputes = False
+
     def __init__(self, vllm_config, device: torch.device):
         if device.type != "npu":
             raise ValueError(f"NPUModelRunner runs on an npu device, got {device}.")
@@ -281,6 +287,14 @@ class NPUModelRunner(CheckedLoRARunnerMixin, GPUModelRunner):
     # vLLM's device synchronisation, for the steps that wait on the device.
     def _sync_device(self) -> None:
         torch.npu.synchronize(self.device)
+
+    def check_tree_layer(self, name: str, impl: Any) -> None:
+        from ascend_core.attention.npu_attention import AscendAttentionImpl
+
+        if not isinstance(impl, AscendAttentionImpl):
+            raise ValueError(f"Medusa tree verification (medusa_tree_config) on npu serves "
+                             f"the {ASCEND_ATTN_NAME} backend's layers; layer {name} runs "
+                             f"{type(impl).__name__}: remove medusa_tree_config.paths")
 
     @_on_npu
     def load_model(self, *args, **kwargs):

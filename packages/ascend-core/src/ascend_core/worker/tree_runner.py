@@ -29,6 +29,10 @@ class TreeVerificationRunnerMixin:
     # (vLLM's CPU attention); the npu attention backend applies them itself.
     tree_attention_recomputes = True
 
+    def check_tree_layer(self, name: str, impl: Any) -> None:
+        """Refuse an attention layer this target's tree path does not serve."""
+        tree_verification.check_layer(name, impl)
+
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
         self.tree = getattr(getattr(self, "drafter", None), "tree", None)
@@ -37,8 +41,15 @@ class TreeVerificationRunnerMixin:
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
+        mode = self.compilation_config.cudagraph_mode
+        if mode is not None and mode.has_full_cudagraphs():
+            raise ValueError(
+                f"Medusa tree verification (medusa_tree_config) runs without FULL graphs, got "
+                f"cudagraph_mode={mode.name}: set compilation_config's cudagraph_mode to "
+                "PIECEWISE or NONE, or remove medusa_tree_config.paths")
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
-        wrapped = tree_verification.install(layers, recompute=self.tree_attention_recomputes)
+        wrapped = tree_verification.install(layers, recompute=self.tree_attention_recomputes,
+                                            check=self.check_tree_layer)
         self.rejection_sampler.tree = self.tree
         logger.info("Medusa tree verification: %d nodes, %d deep, over %d attention layers",
                     len(self.tree.paths), self.tree.depth, wrapped)

@@ -31,7 +31,7 @@ from vllm.v1.spec_decode.medusa import MedusaProposer
 from ascend_specdec.medusa.checkpoint import load_heads
 from ascend_specdec.medusa.config import MedusaConfigError, MedusaHeadsConfig
 from ascend_specdec.medusa.heads import MedusaHeads
-from ascend_specdec.medusa.tree import MedusaTree, parse_tree
+from ascend_specdec.medusa.tree import MedusaTree
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +51,6 @@ def heads_folder(speculative_config: Any) -> Path:
                                   allow_patterns=["*.json", "*.safetensors"]))
 
 
-def configured_tree(vllm_config: Any, *, num_heads: int, num_nodes: int) -> MedusaTree | None:
-    """The tree of ``additional_config["medusa_tree_config"]["paths"]``, checked, or None."""
-    from ascend_core.config import AscendConfig
-
-    paths = AscendConfig.from_dict(vllm_config.additional_config).medusa_tree_config.paths
-    if paths is None:
-        return None
-    return parse_tree(paths, num_heads=num_heads, num_nodes=num_nodes)
-
-
 class AscendMedusaProposer(MedusaProposer):
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         # MedusaProposer.__init__ is not called: it only prepares vLLM's own heads model.
@@ -75,9 +65,9 @@ class AscendMedusaProposer(MedusaProposer):
         self.heads_config = MedusaHeadsConfig.load(self.heads_dir)
         # Tree verification (additional_config "medusa_tree_config"): num_speculative_tokens
         # counts the tree's nodes, not heads.
-        self.tree: MedusaTree | None = configured_tree(
-            vllm_config, num_heads=self.heads_config.num_heads,
-            num_nodes=self.num_speculative_tokens)
+        from ascend_specdec.vllm.medusa_tree import configured_tree
+
+        self.tree: MedusaTree | None = configured_tree(vllm_config)
         model_config = vllm_config.model_config
         self.heads_config.check_against_base(
             hidden_size=model_config.get_hidden_size(),

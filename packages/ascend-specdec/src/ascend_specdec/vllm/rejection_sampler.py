@@ -116,42 +116,55 @@ class AscendRejectionSampler(RejectionSampler):
 
     def _verify_tree(self, metadata, logits, sampling_metadata) -> SamplerOutput:
         """Verify each request's tree prefix (``ascend_specdec.medusa.tree``): request ``r``
-        has ``1 + m_r`` logits rows, its root's and its nodes'. Temperature, top-k and
-        top-p apply; the model's platform refuses the other sampling options (penalties,
-        logprobs, bad words, allowed tokens, min tokens, structured output) at admission
-        while a tree is configured."""
+        has ``1 + m_r`` logits rows, its root's and its nodes'. Temperature, top-k, top-p
+        and logprobs apply; the platform refuses the other sampling options at admission
+        while a tree is served (``ascend_specdec.vllm.medusa_tree``)."""
         tree = self.tree
         counts = list(metadata.num_draft_tokens)
-        rows = torch.tensor([m + 1 for m in counts], device=logits.device)
-        cu_rows = torch.cumsum(rows, 0, dtype=torch.int32)
-        starts = (cu_rows - rows).tolist()
+        cu_rows = torch.cumsum(torch.tensor([m + 1 for m in counts]), 0, dtype=torch.int32)
+        starts = [0, *cu_rows.tolist()]
         drafts = metadata.draft_token_ids.tolist()
-        cu_drafts = [0, *torch.cumsum(torch.tensor(counts, dtype=torch.long), 0).tolist()]
-        greedy = (None if sampling_metadata.all_random else
-                  logits.argmax(dim=-1).tolist())
-        probs = None
+        greedy = None if sampling_metadata.all_random else logits.argmax(dim=-1).tolist()
+        target = probs = None
         if not sampling_metadata.all_greedy:
             target = apply_sampling_constraints(
-                logits.to(torch.float32), cu_rows, sampling_metadata.temperature,
-                sampling_metadata.top_k, sampling_metadata.top_p, backend=self.backend)
+                logits.to(torch.float32), cu_rows.to(logits.device),
+                sampling_metadata.temperature, sampling_metadata.top_k,
+                sampling_metadata.top_p, backend=self.backend)
             probs = target.softmax(dim=-1, dtype=torch.float32).cpu()
         temperature = (None if sampling_metadata.temperature is None
                        else sampling_metadata.temperature.tolist())
-        out = torch.full((len(counts), metadata.max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
-                         dtype=torch.int32)
+        width = metadata.max_spec_len + 1
+        out = torch.full((len(counts), width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
+        # The logits row each emitted token was drawn from (placeholders: the root's).
+        rows = torch.tensor(starts[:-1], dtype=torch.long).unsqueeze(1).repeat(1, width)
         self.tree_accepted = []
         for r, m in enumerate(counts):
-            own = drafts[cu_drafts[r]:cu_drafts[r + 1]]
-            start = starts[r]
+            start, first = starts[r], starts[r] - r  # request r's rows; its drafts
+            own = drafts[first:first + m]
             if sampling_metadata.all_greedy or (temperature is not None
                                                 and temperature[r] == GREEDY_TEMPERATURE):
                 tokens, last = verify_greedy(tree, own, greedy[start:start + m + 1])
             else:
                 tokens, last = verify_sampled(tree, own, probs[start:start + m + 1],
                                               sampling_metadata.generators.get(r))
+            path = accepted_path_nodes(tree, last)
             out[r, :len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
-            self.tree_accepted.append(accepted_path_nodes(tree, last))
-        return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=None)
+            rows[r, 1:len(tokens)] += torch.tensor([node + 1 for node in path],
+                                                   dtype=torch.long)
+            self.tree_accepted.append(path)
+        out = out.to(logits.device)
+        logprobs_tensors = None
+        if sampling_metadata.max_num_logprobs is not None:
+            source = (target if self.is_processed_logprobs_mode and target is not None
+                      else logits.to(torch.float32))
+            chosen = source[rows.flatten().to(logits.device)]
+            if not self.is_logits_logprobs_mode:
+                chosen = self.sampler.compute_logprobs(chosen)
+            tokens = out.flatten().to(torch.int64).clamp(min=0)
+            logprobs_tensors = self.sampler.gather_logprobs(
+                chosen, sampling_metadata.max_num_logprobs, tokens)
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs_tensors)
 
     def _verifies_untouched_rows(self, logits, sampling_metadata, wants_logprobs) -> bool:
         """Whether the draft rows can be verified where they lie: every request greedy or

@@ -1,0 +1,70 @@
+"""Medusa tree verification at start-up and at admission (both targets).
+
+The config hook checks ``additional_config["medusa_tree_config"]`` against the configured
+heads before anything loads, and records whether a tree is served; the request check then
+refuses, one request at a time, the sampling options a tree step does not apply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ascend_specdec.medusa.config import MedusaConfigError, MedusaHeadsConfig
+from ascend_specdec.medusa.tree import MedusaTree, parse_tree
+
+# The tree this process serves, set by the config hook (None: none, or chains).
+_served: list[MedusaTree | None] = [None]
+
+
+def configured_tree(vllm_config: Any) -> MedusaTree | None:
+    """The checked tree of ``medusa_tree_config.paths``, or None when none is given."""
+    from ascend_core.config import AscendConfig
+
+    paths = AscendConfig.from_dict(vllm_config.additional_config).medusa_tree_config.paths
+    if paths is None:
+        return None
+    spec_config = vllm_config.speculative_config
+    method = getattr(spec_config, "method", None)
+    if method != "medusa":
+        raise MedusaConfigError(
+            f"additional_config medusa_tree_config.paths is for speculative method 'medusa', "
+            f"but speculative_config method is {method!r}: remove medusa_tree_config, or set "
+            "method 'medusa' with Medusa heads")
+    from ascend_specdec.vllm.medusa_proposer import heads_folder
+
+    heads = MedusaHeadsConfig.load(heads_folder(spec_config))
+    return parse_tree(paths, num_heads=heads.num_heads,
+                      num_nodes=spec_config.num_speculative_tokens)
+
+
+def check_config(vllm_config: Any) -> None:
+    """Core's CONFIG_HOOKS entry: stop a bad tree at start-up; remember a good one."""
+    _served[0] = configured_tree(vllm_config)
+
+
+# What a tree step does not apply: (SamplingParams field, whether a value sets it).
+_UNSERVED = (
+    ("presence_penalty", lambda v: v != 0.0),
+    ("frequency_penalty", lambda v: v != 0.0),
+    ("repetition_penalty", lambda v: v != 1.0),
+    ("min_p", lambda v: v != 0.0),
+    ("min_tokens", lambda v: v != 0),
+    ("logit_bias", bool),
+    ("allowed_token_ids", lambda v: v is not None),
+    ("bad_words", bool),
+    ("structured_outputs", lambda v: v is not None),
+    ("thinking_token_budget", lambda v: v is not None),
+    ("logprob_token_ids", lambda v: v is not None),
+)
+
+
+def check_request(params: Any) -> None:
+    """Core's REQUEST_CHECKS entry: refuse what a tree step would silently ignore."""
+    if _served[0] is None or not hasattr(params, "temperature"):
+        return
+    given = [name for name, is_set in _UNSERVED if is_set(getattr(params, name, None))]
+    if given:
+        raise ValueError(
+            f"this server verifies Medusa trees (medusa_tree_config), which apply "
+            f"temperature, top_k, top_p, seed and logprobs only; the request sets "
+            f"{', '.join(given)}: send it without them, or serve without medusa_tree_config")
