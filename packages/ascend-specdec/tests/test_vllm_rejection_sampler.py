@@ -542,3 +542,122 @@ def test_rows_in_place_only_where_they_are_served():
     with pytest.raises(ValueError, match=r"verified from the logits \(from_logits\) only"):
         rejection_sample(*args, temperature=torch.tensor([0.5, 0.7]), all_greedy=False,
                          all_random=True, target_rows=rows, from_logits=False)
+
+
+# --- Medusa trees ----------------------------------------------------------------------------
+
+TREE_PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def tree_sampler():
+    from ascend_specdec.medusa.tree import parse_tree
+
+    sampler = ours()
+    sampler.tree = parse_tree(TREE_PATHS, num_heads=3, num_nodes=len(TREE_PATHS))
+    return sampler
+
+
+def test_tree_steps_emit_each_requests_accepted_path_and_next_token():
+    from ascend_specdec.medusa.tree import accepted_path_nodes, verify_greedy
+
+    generator = torch.Generator().manual_seed(5)
+    counts = [6, 0, 3, 6]
+    vocab = 30
+    logits = torch.randn(sum(counts) + len(counts), vocab, generator=generator)
+    sampler = tree_sampler()
+    tree = sampler.tree
+    # Drafts that agree with the target along one path per request.
+    drafts, start = [], 0
+    for m in counts:
+        argmax = logits[start:start + m + 1].argmax(-1).tolist()
+        own = torch.randint(0, vocab, (m,), generator=generator).tolist()
+        if m:
+            own[1 if m > 1 else 0] = argmax[0]  # the root's second child ([1]) agrees
+            if m > 4:
+                own[4] = argmax[2]  # and [1, 0] after it
+        drafts.append(own)
+        start += m + 1
+    output = sampler(spec_metadata(drafts), None, logits.clone(),
+                     sampling_metadata([0.0] * len(counts))).sampled_token_ids
+    assert output.shape == (len(counts), max(counts) + 1)
+    expected, start = [], 0
+    for m, own in zip(counts, drafts, strict=True):
+        tokens, last = verify_greedy(tree, own, logits[start:start + m + 1].argmax(-1).tolist())
+        expected.append(tokens)
+        start += m + 1
+    assert rows_of(output) == expected
+    assert [len(row) for row in expected] == [3, 1, 2, 3]
+    assert sampler.tree_accepted == [[1, 4], [], [1], [1, 4]]
+    assert accepted_path_nodes(tree, 5) == [1, 4]
+
+
+def test_tree_logprobs_are_read_at_each_tokens_row():
+    generator = torch.Generator().manual_seed(9)
+    counts = [6, 2]
+    logits = torch.randn(sum(counts) + len(counts), 20, generator=generator)
+    argmax = logits.argmax(-1).tolist()
+    # Request 0 accepts node [1] (row 2) then [1, 0] (row 5); request 1 accepts [0] (row 1).
+    drafts = [[99 % 20, argmax[0], 0, 0, argmax[2], 0], [argmax[7], 3]]
+    drafts[0][0] = (argmax[0] + 1) % 20
+    sampler = tree_sampler()
+    out = sampler(spec_metadata(drafts), None, logits.clone(),
+                  sampling_metadata([0.0, 0.0], max_num_logprobs=2))
+    assert sampler.tree_accepted == [[1, 4], [0]]
+    rows = [[0, 2, 5], [7, 8]]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tensors = out.logprobs_tensors
+    width = out.sampled_token_ids.shape[1]
+    for r, request_rows in enumerate(rows):
+        for i, row in enumerate(request_rows):
+            flat = r * width + i
+            token = int(out.sampled_token_ids[r, i])
+            assert token == argmax[row]
+            assert tensors.logprob_token_ids[flat, 0] == token
+            torch.testing.assert_close(tensors.logprobs[flat, 0], logprobs[row, token])
+            top = logprobs[row].topk(2)
+            assert tensors.logprob_token_ids[flat, 1:].tolist() == top.indices.tolist()
+
+
+def test_tree_steps_sample_the_target_distribution():
+    """Through the sampler: the first token of a tree step follows the target's root row
+    (temperature and top-k applied), its drafts the root's two likeliest tokens."""
+    vocab = 6
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(2)) * 2
+    temperature, top_k = 0.8, 4
+    probs = torch.softmax(logits[0] / temperature, -1)
+    probs[probs < probs.topk(top_k).values[-1]] = 0
+    probs /= probs.sum()
+    first_two = probs.topk(2).indices.tolist()
+    drafts = [[first_two[0], first_two[1], 0, 1, 2, 3]]
+    sampler = tree_sampler()
+    generator = torch.Generator().manual_seed(0)
+    sampling = sampling_metadata([temperature], top_k=[top_k], generators={0: generator})
+    metadata = spec_metadata(drafts)
+    samples = torch.tensor([int(sampler(metadata, None, logits.clone(), sampling)
+                                .sampled_token_ids[0, 0]) for _ in range(4000)])
+    statistic, dof = chi_squared(samples, probs)
+    assert statistic < CHI2_CRITICAL_0_001[dof], statistic
+
+
+def test_tree_servers_refuse_the_sampling_options_a_tree_step_ignores():
+    from vllm import SamplingParams
+
+    from ascend_specdec.medusa.tree import parse_tree
+    from ascend_specdec.vllm import medusa_tree
+
+    medusa_tree._served[0] = parse_tree([[0]], num_heads=1, num_nodes=1)
+    try:
+        medusa_tree.check_request(SamplingParams(temperature=0.7, top_k=5, top_p=0.9,
+                                                 seed=3, logprobs=2))
+        for options, name in (({"presence_penalty": 0.5}, "presence_penalty"),
+                              ({"repetition_penalty": 1.2}, "repetition_penalty"),
+                              ({"min_p": 0.1}, "min_p"),
+                              ({"logit_bias": {3: 1.0}}, "logit_bias"),
+                              ({"bad_words": ["x"]}, "bad_words"),
+                              ({"min_tokens": 2}, "min_tokens")):
+            with pytest.raises(ValueError, match=f"the request sets {name}: send it"):
+                medusa_tree.check_request(SamplingParams(**options))
+        medusa_tree._served[0] = None  # no tree served: nothing refused
+        medusa_tree.check_request(SamplingParams(presence_penalty=0.5))
+    finally:
+        medusa_tree._served[0] = None

@@ -1,0 +1,210 @@
+"""Medusa's candidate trees (no vLLM): parsing and its errors, the ancestor mask, node
+tokens from each head's candidates, greedy and sampled verification (the sampled walk's
+output distribution, chi-squared), and the heads' top-k candidates, sharded or whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascend_specdec.medusa import MedusaConfigError, MedusaHeads, MedusaHeadsConfig
+from ascend_specdec.medusa.tree import (
+    MAX_TOP_K,
+    accepted_path_nodes,
+    parse_tree,
+    verify_greedy,
+    verify_sampled,
+)
+
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+# Upper 0.1% points of the chi-squared distribution by degrees of freedom (standard tables).
+CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
+
+
+def tree(paths=TREE, heads=3):
+    return parse_tree(paths, num_heads=heads, num_nodes=len(paths))
+
+
+def test_nodes_are_breadth_first_with_parents_depths_and_top_k():
+    t = tree([[0, 0], [1], [0], [0, 0, 0], [1, 0], [0, 1]])
+    assert t.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    assert t.parents == (-1, -1, 0, 0, 1, 2)
+    assert t.depths == (1, 1, 2, 2, 2, 3)
+    assert t.top_k == (2, 2, 1)
+    assert t.children == ((0, 1), (2, 3), (4,), (5,), (), (), ())
+    # Every prefix of the node list is a tree: a parent comes before its children.
+    assert all(parent < node for node, parent in enumerate(t.parents))
+
+
+def test_ancestor_mask_lets_each_row_see_its_path_only():
+    mask = tree().ancestor_mask()
+    # rows/columns: root, [0], [1], [0,0], [0,1], [1,0], [0,0,0]
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0],
+        [1, 1, 0, 1, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+    assert torch.equal(tree().ancestor_mask(3), expected[:4, :4])
+
+
+def test_node_tokens_take_each_heads_candidate():
+    candidates = [torch.tensor([[10, 11], [20, 21]]), torch.tensor([[30, 31], [40, 41]]),
+                  torch.tensor([[50], [60]])]
+    tokens = tree().node_tokens(candidates, 6)
+    assert tokens.tolist() == [[10, 11, 30, 31, 30, 50], [20, 21, 40, 41, 40, 60]]
+    assert tree().node_tokens(candidates, 2).tolist() == [[10, 11], [20, 21]]
+    assert tree().node_tokens(candidates, 0).shape == (2, 0)
+
+
+@pytest.mark.parametrize(("paths", "heads", "nodes", "message"), [
+    ([], 3, 0, "non-empty list of paths"),
+    ("[[0]]", 3, 1, "non-empty list of paths"),
+    ([[0], 1], 3, 2, "each path must be a non-empty list"),
+    ([[0], []], 3, 2, "each path must be a non-empty list"),
+    ([[0], [True]], 3, 2, "each path must be a non-empty list"),
+    ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], 3, 4, "4 deep, but the Medusa heads have 3"),
+    ([[0], [MAX_TOP_K]], 3, 2, f"candidate index {MAX_TOP_K}"),
+    ([[0], [-1]], 3, 2, "candidate index -1"),
+    ([[0], [1], [0]], 3, 3, "path [0] is given twice"),
+    ([[0], [1, 0]], 3, 2, "no parent path [1]"),
+    ([[0], [1]], 3, 3, "the tree has 2 nodes but num_speculative_tokens=3"),
+    ([[0], [1], [2]], 3, 2, "set num_speculative_tokens to 3"),
+])
+def test_bad_trees_are_refused_with_what_to_change(paths, heads, nodes, message):
+    with pytest.raises(MedusaConfigError, match="medusa_tree_config.paths") as error:
+        parse_tree(paths, num_heads=heads, num_nodes=nodes)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_greedy_takes_the_longest_path_the_target_agrees_with():
+    t = tree()
+    # node tokens: [0]=5 [1]=6 [0,0]=7 [0,1]=8 [1,0]=7 [0,0,0]=9
+    drafts = [5, 6, 7, 8, 7, 9]
+    # target argmax per row: root, then after each node
+    target = [6, 0, 7, 0, 0, 0, 0]
+    # root says 6: node [1]; after [1] the target says 7: node [1,0]; then 0: stop.
+    tokens, last = verify_greedy(t, drafts, target)
+    assert tokens == [6, 7, 0] and last == 5
+    assert accepted_path_nodes(t, last) == [1, 4]
+    # Root says 5: node [0]; after it 8: node [0,1]; after that 3 -> next token 3.
+    tokens, last = verify_greedy(t, drafts, [5, 8, 0, 0, 3, 0, 0])
+    assert tokens == [5, 8, 3] and accepted_path_nodes(t, last) == [0, 3]
+    # Nothing accepted: the target's token at the root.
+    tokens, last = verify_greedy(t, drafts, [4, 0, 0, 0, 0, 0, 0])
+    assert tokens == [4] and last == 0 and accepted_path_nodes(t, last) == []
+    # Only the first two nodes drafted: [0,1] is out of reach.
+    tokens, last = verify_greedy(t, drafts[:2], [5, 8, 0])
+    assert tokens == [5, 8] and accepted_path_nodes(t, last) == [0]
+
+
+def chi_squared(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    expected = probs * counts.sum()
+    support = expected > 0
+    assert int(counts[~support].sum()) == 0, "a token without probability was emitted"
+    statistic = float(((counts[support] - expected[support]) ** 2 / expected[support]).sum())
+    return statistic, int(support.sum()) - 1
+
+
+def assert_distribution(counts, probs, what):
+    statistic, dof = chi_squared(counts.double(), probs.double())
+    assert statistic < CHI2_CRITICAL_0_001[dof], f"{what}: chi-squared {statistic:.1f}"
+
+
+def test_sampled_walk_emits_the_targets_distribution_at_every_depth():
+    t = tree([[0], [1], [0, 0], [0, 1]], heads=2)
+    vocab = 5
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(5, vocab, generator=generator), dim=-1)
+    # The root's children are its two likeliest tokens, node [0]'s children its own two:
+    # rejections move much mass, which a wrong residual would misplace.
+    drafts = [4, 2, 0, 3]  # [0]=4 [1]=2 [0,0]=0 [0,1]=3
+    first = torch.zeros(vocab)
+    after_node_0 = torch.zeros(vocab)  # second tokens after the first token 1 (node [0])
+    after_node_1 = torch.zeros(vocab)
+    samples = 20000
+    for _ in range(samples):
+        tokens, last = verify_sampled(t, drafts, probs, generator)
+        first[tokens[0]] += 1
+        # The first token equals a root child's token exactly when that child was accepted.
+        if tokens[0] == 4:
+            after_node_0[tokens[1]] += 1
+        elif tokens[0] == 2:
+            after_node_1[tokens[1]] += 1
+        else:
+            assert len(tokens) == 1 and last == 0
+    assert probs[0].topk(2).indices.tolist() == [4, 2]
+    assert probs[1].topk(2).indices.tolist() == [0, 3]
+    assert_distribution(first, probs[0], "first token")
+    assert_distribution(after_node_0, probs[1], "after node [0]")
+    assert_distribution(after_node_1, probs[2], "after node [1]")
+
+
+def test_the_distribution_check_can_fail():
+    """Emitting the first draft whenever the target gives it any mass is no sampler."""
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    counts = torch.tensor([0.0, 20000.0, 0.0])
+    statistic, dof = chi_squared(counts, probs)
+    assert statistic > 10 * CHI2_CRITICAL_0_001[dof]
+
+
+def test_sampled_walk_follows_a_seeded_generator():
+    t = tree()
+    probs = torch.softmax(torch.randn(7, 11, generator=torch.Generator().manual_seed(1)), -1)
+    drafts = [1, 2, 3, 4, 5, 6]
+    runs = [verify_sampled(t, drafts, probs, torch.Generator().manual_seed(7))
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def heads(num_heads=3, vocab=40, hidden=16, seed=0):
+    config = MedusaHeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads)
+    torch.manual_seed(seed)
+    model = MedusaHeads(config)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    return model
+
+
+def test_top_k_candidates_are_each_heads_best_tokens_best_first():
+    model = heads()
+    hidden = torch.randn(4, 16)
+    candidates = model.propose_top_k(hidden, [3, 2])
+    logits = model.logits(hidden, 2)
+    assert [c.shape for c in candidates] == [(4, 3), (4, 2)]
+    for head, k in enumerate([3, 2]):
+        assert torch.equal(candidates[head], logits[:, head].topk(k).indices)
+    # The best candidate is the chain's draft.
+    assert torch.equal(torch.stack([c[:, 0] for c in candidates], 1), model.propose(hidden, 2))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_heads_offer_the_same_candidates(world_size):
+    whole = heads()
+    hidden = torch.randn(5, 16)
+    shards = []
+    for rank in range(world_size):
+        shard = heads()
+        shard.shard_lm_heads(rank, world_size)
+        shards.append(shard)
+    offers = []
+
+    def gather(tensor):  # an all-gather: every rank's offer, stacked in rank order
+        offers.append(tensor)
+        return torch.stack([s._offer for s in shards])
+
+    for shard in shards:
+        # Each rank's offer is what propose_top_k would give the collective on that rank.
+        captured = []
+        shard.propose_top_k(hidden, [4, 2, 1], lambda t, c=captured: c.append(t) or t[None])
+        shard._offer = captured[0]
+    got = [shard.propose_top_k(hidden, [4, 2, 1], gather) for shard in shards]
+    expected = whole.propose_top_k(hidden, [4, 2, 1])
+    for per_rank in got:
+        for candidates, want in zip(per_rank, expected, strict=True):
+            assert torch.equal(candidates, want)
