@@ -208,8 +208,14 @@ class MedusaTreeConfig(_Section):
         "The candidate tree each step verifies, as a list of paths: [0] is head 0's best "
         "candidate, [0, 1] head 1's second best after it; every prefix of a path must be "
         "in the list, a path at most as deep as the heads, indices 0-15. "
-        "num_speculative_tokens must equal the number of paths. Unset: one chain of every "
-        "head's best candidate, as vLLM verifies.",
+        "num_speculative_tokens must equal the number of paths. Unset (and auto off): one "
+        "chain of every head's best candidate, as vLLM verifies.",
+    )
+    auto: bool = _key(
+        False,
+        "Verify the tree of num_speculative_tokens nodes that accepted the most tokens on the "
+        "trainer's held-out prompts (medusa_paths.json, written by "
+        "python -m ascend_specdec.train_medusa beside the heads); not with paths.",
     )
 
 

@@ -26,12 +26,14 @@ from ascend_specdec.medusa.training import (
     generate_distillation_data,
     served_estimate,
     train_heads,
+    tree_estimates,
 )
+from ascend_specdec.medusa.tree import PATHS_FILE
 
 # Bump when a change here alters what training writes, so cached heads are not reused.
 # 2: the base runs in the checkpoint's dtype, prompts may come from text; 3: acceptance
-# walked as served, held-out prompts saved
-TRAIN_VERSION = 3
+# walked as served, held-out prompts saved; 4: the measured paths for trees (medusa_paths.json)
+TRAIN_VERSION = 4
 REPORT_FILE = "training.json"
 # The held-out prompts' token ids (BOS included), to serve them and compare with the report.
 HELD_OUT_PROMPTS_FILE = "held_out_prompts.json"
@@ -89,7 +91,13 @@ def train_medusa_heads(base_dir: str | Path, out_dir: str | Path,
     served = served_estimate(result.heads, held_out, dtype)
     log(f"held-out estimate as served ({str(dtype).removeprefix('torch.')}): "
         f"{served.describe()}")
+    trees = tree_estimates(result.heads, held_out, dtype)
+    for budget, tree in trees["trees"].items():
+        log(f"held-out estimate as served, tree of {budget} nodes (medusa_tree_config "
+            f"auto, num_speculative_tokens {budget}): acceptance length "
+            f"{tree['acceptance_length']:.2f}")
     save_heads(result.heads, out_dir, dtype=dtype)
+    (Path(out_dir) / PATHS_FILE).write_text(json.dumps(trees) + "\n", encoding="utf-8")
     report = {
         "base_model": str(base_dir),
         "options": asdict(options),
@@ -97,6 +105,7 @@ def train_medusa_heads(base_dir: str | Path, out_dir: str | Path,
         "initial": asdict(result.initial) if result.initial else None,
         "final": asdict(result.final) if result.final else None,
         "served": asdict(served),
+        "trees": {budget: tree["acceptance_length"] for budget, tree in trees["trees"].items()},
         "history": result.history,
         "seconds": result.seconds,
         "dtype": str(dtype).removeprefix("torch."),

@@ -423,6 +423,53 @@ def served_walk(leading: torch.Tensor, sequence_rows: int) -> float:
     return 1.0 + accepted / max(steps, 1)
 
 
+def candidate_ranks(heads: MedusaHeads, data: DistillationSet, chunk: int = 4096
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and head, the rank of the true token among the head's ``MAX_TOP_K`` best
+    candidates (``MAX_TOP_K``: not among them), and which rows have a true token for every
+    head (a continuation's last rows do not)."""
+    from ascend_specdec.medusa.tree import MAX_TOP_K
+
+    ranks, complete = [], []
+    width = [MAX_TOP_K] * heads.num_heads
+    for start in range(0, len(data), chunk):
+        targets = data.targets[start:start + chunk]
+        candidates = torch.stack(heads.propose_top_k(data.features[start:start + chunk],
+                                                     width), dim=1)  # [n, heads, K]
+        hits = candidates == targets.unsqueeze(-1)
+        rank = torch.where(hits.any(-1), hits.long().argmax(-1), MAX_TOP_K)
+        ranks.append(rank)
+        complete.append((targets != IGNORE).all(dim=1))
+    return torch.cat(ranks), torch.cat(complete)
+
+
+def tree_estimates(heads: MedusaHeads, held_out: DistillationSet, dtype: torch.dtype,
+                   budgets: tuple[int, ...] = (4, 8, 16, 32)) -> dict:
+    """The heads' measured paths (``path_frequencies``) on the held-out rows, in the
+    served dtype, and for each node budget the best tree with its served acceptance
+    length (the continuations walked as a verifier does, as ``evaluate``)."""
+    import copy
+
+    from ascend_specdec.medusa.tree import accepted_per_row, choose_tree, path_frequencies
+
+    served = copy.deepcopy(heads).to(dtype)
+    ranks, complete = candidate_ranks(served, DistillationSet(held_out.features.to(dtype),
+                                                              held_out.targets))
+    frequencies = path_frequencies(ranks[complete])
+    trees = {}
+    for budget in budgets:
+        if budget > len(frequencies):
+            break
+        tree = choose_tree(frequencies, budget, num_heads=heads.num_heads)
+        leading = accepted_per_row(ranks, tree).masked_fill(~complete, -1)
+        length = (served_walk(leading, held_out.sequence_rows) if held_out.sequence_rows
+                  else 1.0 + float(leading[complete].float().mean()))
+        trees[budget] = {"acceptance_length": length, "paths": [list(p) for p in tree.paths]}
+    return {"rows": int(complete.sum()),
+            "paths": [[list(path), frequency] for path, frequency in frequencies],
+            "trees": trees}
+
+
 def served_estimate(heads: MedusaHeads, held_out: DistillationSet,
                     dtype: torch.dtype) -> Evaluation:
     """``evaluate`` for the heads as they will be served: a copy cast to ``dtype``, on the

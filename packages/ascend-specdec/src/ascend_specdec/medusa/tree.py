@@ -19,7 +19,7 @@ its last node.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -191,11 +191,6 @@ def verify_sampled(tree: MedusaTree, drafts: Sequence[int], probs: torch.Tensor,
         row = accepted + 1
 
 
-def tree_positions(tree: MedusaTree, num_nodes: int) -> list[int]:
-    """Position offsets of the root and the first ``num_nodes`` nodes from the root's."""
-    return [0, *tree.depths[:num_nodes]]
-
-
 def accepted_path_nodes(tree: MedusaTree, last_row: int) -> list[int]:
     """The node indices of the accepted path ending at ``last_row`` (0: none), root first."""
     nodes = []
@@ -206,9 +201,54 @@ def accepted_path_nodes(tree: MedusaTree, last_row: int) -> list[int]:
     return nodes[::-1]
 
 
-def tree_from_config(config: Mapping[str, object] | None, *, num_heads: int,
-                     num_nodes: int) -> MedusaTree | None:
-    """The tree of ``medusa_tree_config`` (``paths``), or None when it gives none."""
-    if not config or config.get("paths") is None:
-        return None
-    return parse_tree(config["paths"], num_heads=num_heads, num_nodes=num_nodes)
+# The trainer's record of how often each path is accepted, beside the heads.
+PATHS_FILE = "medusa_paths.json"
+
+
+def path_frequencies(ranks: torch.Tensor, max_paths: int = 1024
+                     ) -> list[tuple[tuple[int, ...], float]]:
+    """How often each path would be accepted: ``ranks [rows, heads]`` holds, per held-out
+    row, the rank of the true token among each head's candidates (``MAX_TOP_K``: not among
+    them); a path is accepted at a row when every head along it ranks the true token at the
+    path's index there. Returns the accepted paths with the fraction of rows accepting them,
+    most frequent first (parents before children on ties, so that every prefix of the list
+    is a tree), at most ``max_paths``."""
+    rows = ranks.shape[0]
+    found: list[tuple[tuple[int, ...], float]] = []
+    alive = torch.ones(rows, dtype=torch.bool)
+    for depth in range(1, ranks.shape[1] + 1):
+        alive &= ranks[:, depth - 1] < MAX_TOP_K
+        if not bool(alive.any()):
+            break
+        prefixes, counts = torch.unique(ranks[alive, :depth], dim=0, return_counts=True)
+        found += [(tuple(path), count / rows)
+                  for path, count in zip(prefixes.tolist(), counts.tolist(), strict=True)]
+    found.sort(key=lambda item: (-item[1], len(item[0]), item[0]))
+    return found[:max_paths]
+
+
+def choose_tree(frequencies: Sequence[tuple[Sequence[int], float]], num_nodes: int,
+                *, num_heads: int, where: str = "medusa_tree_config.auto") -> MedusaTree:
+    """The ``num_nodes``-node tree that accepts the most tokens per step on the measured
+    rows: the ``num_nodes`` most frequent paths (a child is never more frequent than its
+    parent, so they form a tree), among those at most ``num_heads`` deep."""
+    usable = [tuple(path) for path, _ in frequencies if len(path) <= num_heads]
+    if len(usable) < num_nodes:
+        raise MedusaConfigError(
+            f"{where}: the heads' measured paths ({PATHS_FILE}) hold {len(usable)} paths the "
+            f"heads ever got right, fewer than num_speculative_tokens={num_nodes}: lower "
+            f"num_speculative_tokens to at most {len(usable)}")
+    return parse_tree([list(path) for path in usable[:num_nodes]], num_heads=num_heads,
+                      num_nodes=num_nodes, where=where)
+
+
+def accepted_per_row(ranks: torch.Tensor, tree: MedusaTree) -> torch.Tensor:
+    """``[rows]``: the draft tokens a greedy tree step accepts at each row of ``ranks``
+    (the depth of the longest tree path matching the row's ranks)."""
+    accepted = torch.zeros(ranks.shape[0], dtype=torch.long)
+    paths = set(tree.paths)
+    for depth in range(1, tree.depth + 1):
+        prefixes = [tuple(row) for row in ranks[:, :depth].tolist()]
+        hit = torch.tensor([prefix in paths for prefix in prefixes])
+        accepted = torch.where(hit & (accepted == depth - 1), depth, accepted)
+    return accepted

@@ -7,34 +7,49 @@ refuses, one request at a time, the sampling options a tree step does not apply.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ascend_specdec.medusa.config import MedusaConfigError, MedusaHeadsConfig
-from ascend_specdec.medusa.tree import MedusaTree, parse_tree
+from ascend_specdec.medusa.tree import PATHS_FILE, MedusaTree, choose_tree, parse_tree
 
 # The tree this process serves, set by the config hook (None: none, or chains).
 _served: list[MedusaTree | None] = [None]
 
 
 def configured_tree(vllm_config: Any) -> MedusaTree | None:
-    """The checked tree of ``medusa_tree_config.paths``, or None when none is given."""
+    """The checked tree of ``medusa_tree_config`` (``paths``, or ``auto``: chosen from the
+    heads' measured paths), or None when it asks for none."""
     from ascend_core.config import AscendConfig
 
-    paths = AscendConfig.from_dict(vllm_config.additional_config).medusa_tree_config.paths
-    if paths is None:
+    config = AscendConfig.from_dict(vllm_config.additional_config).medusa_tree_config
+    if config.paths is None and not config.auto:
         return None
+    if config.paths is not None and config.auto:
+        raise MedusaConfigError("additional_config medusa_tree_config: give paths or auto, "
+                                "not both (auto chooses the paths from the heads' record)")
     spec_config = vllm_config.speculative_config
     method = getattr(spec_config, "method", None)
     if method != "medusa":
         raise MedusaConfigError(
-            f"additional_config medusa_tree_config.paths is for speculative method 'medusa', "
-            f"but speculative_config method is {method!r}: remove medusa_tree_config, or set "
+            f"additional_config medusa_tree_config is for speculative method 'medusa', but "
+            f"speculative_config method is {method!r}: remove medusa_tree_config, or set "
             "method 'medusa' with Medusa heads")
     from ascend_specdec.vllm.medusa_proposer import heads_folder
 
-    heads = MedusaHeadsConfig.load(heads_folder(spec_config))
-    return parse_tree(paths, num_heads=heads.num_heads,
-                      num_nodes=spec_config.num_speculative_tokens)
+    folder = heads_folder(spec_config)
+    heads = MedusaHeadsConfig.load(folder)
+    nodes = spec_config.num_speculative_tokens
+    if config.paths is not None:
+        return parse_tree(config.paths, num_heads=heads.num_heads, num_nodes=nodes)
+    record = folder / PATHS_FILE
+    if not record.is_file():
+        raise MedusaConfigError(
+            f"medusa_tree_config.auto: the heads in {folder} have no {PATHS_FILE} (the "
+            "paths their trainer measured); retrain them with python -m "
+            "ascend_specdec.train_medusa, or give medusa_tree_config.paths")
+    frequencies = json.loads(record.read_text(encoding="utf-8"))["paths"]
+    return choose_tree(frequencies, nodes, num_heads=heads.num_heads)
 
 
 def check_config(vllm_config: Any) -> None:
