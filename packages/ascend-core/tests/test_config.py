@@ -54,6 +54,7 @@ FULL = {
     "rejection_sampler_config": {"backend": "triton"},
     "draft_length_config": {"dynamic": True, "min_num_speculative_tokens": 1,
                             "max_num_speculative_tokens": 2},
+    "medusa_tree_config": {"paths": [[0], [1], [0, 0]], "auto": False},
     "enable_cpu_binding": True,
     "weight_nz_mode": 2,
 }

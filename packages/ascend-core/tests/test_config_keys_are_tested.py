@@ -60,6 +60,15 @@ BEHAVIOUR_TESTS = {
         "tests/e2e/test_draft_length.py::test_pinned_length_and_the_switch_off",
         "tests/e2e/test_draft_length.py::test_a_bound_above_the_configured_length_stops_the_start",
     ],
+    "medusa_tree_config.paths": [
+        "tests/e2e/test_medusa.py::"
+        "test_tree_steps_keep_greedy_output_and_accept_more_than_the_chain",
+        "tests/e2e/test_npu_target.py::"
+        "test_medusa_tree_steps_on_npu_keep_greedy_tokens_and_logprobs",
+    ],
+    "medusa_tree_config.auto": [
+        "tests/e2e/test_medusa.py::test_the_trainers_tree_serves_its_estimate_and_beats_the_chain",
+    ],
     "enable_cpu_binding": [
         "tests/e2e/test_npu_target.py::test_tensor_parallel_2_over_hccl_equals_tp_1",
     ],

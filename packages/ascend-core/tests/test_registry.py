@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import pytest
 
 from ascend_core import registry
@@ -86,3 +88,26 @@ def test_platforms_run_the_config_hooks_in_name_order():
         registry.CONFIG_HOOKS.unregister("a-hook")
         registry.CONFIG_HOOKS.unregister("b-hook")
     assert calls == [("a", "config"), ("b", "config")]
+
+
+def test_platforms_run_the_request_checks_after_vllms():
+    import pytest
+
+    from ascend_core.platform.host import AscendHostPlatform
+
+    seen = []
+
+    def refuse_penalties(params):
+        seen.append(params)
+        if getattr(params, "presence_penalty", 0):
+            raise ValueError("penalties are not served here")
+
+    registry.REQUEST_CHECKS.register("test-check", refuse_penalties)
+    try:
+        ok, bad = SimpleNamespace(presence_penalty=0.0), SimpleNamespace(presence_penalty=1.0)
+        AscendHostPlatform.validate_request({}, ok)
+        with pytest.raises(ValueError, match="penalties are not served here"):
+            AscendHostPlatform.validate_request({}, bad)
+    finally:
+        registry.REQUEST_CHECKS.unregister("test-check")
+    assert seen == [ok, bad]
