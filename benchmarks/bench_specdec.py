@@ -212,6 +212,7 @@ def run_config(config: dict, options: argparse.Namespace) -> dict:
     if config["stack"] == PLUGIN:
         env["VLLM_ASCEND_TARGET"] = "host"
     llm = {"speculative_config": config["spec"]} if config["spec"] else {}
+    llm.update(config.get("llm", {}))  # e.g. additional_config
     args = {"model": config["model"], "dtype": options.dtype, "prompts": config["prompts"],
             "max_model_len": options.max_model_len, "max_tokens": options.max_tokens,
             "batches": list(BATCHES), "llm": llm, "repeats": options.repeats,

@@ -82,7 +82,7 @@ def test_the_probed_layout_reads_back_what_vllms_op_wrote(isa, dtype, block_size
     keys = cache.randn(tokens, cache.kv_heads, cache.head_size)
     values = cache.randn(tokens, cache.kv_heads, cache.head_size)
     cache.write(keys, values, range(tokens))
-    got_k, got_v = tv.read_context(cache.impl, cache.layer, cache.kv_cache, cache.table, tokens)
+    got_k, got_v = tv.read_context(cache.layer, cache.kv_cache, cache.table, tokens)
     assert torch.equal(got_k, keys) and torch.equal(got_v, values)
     # The keys are not stored token-major: a plain read would not do.
     plain_keys = cache.kv_cache[cache.table[0].long(), :, :, :cache.head_size].transpose(0, 1)
@@ -159,7 +159,7 @@ def test_compaction_moves_the_accepted_path_after_the_root(isa, dtype, block_siz
     accepted = [[0, 2, 4], [1]]
     assert tv.compact(step, accepted) == 3  # nodes 2, 4 of request 0 and node 1 of request 1
     for r, (root, path) in enumerate(zip(roots, accepted, strict=True)):
-        got_k, got_v = tv.read_context(cache.impl, cache.layer, cache.kv_cache, tables[r],
+        got_k, got_v = tv.read_context(cache.layer, cache.kv_cache, tables[r],
                                        root + 1 + len(path))
         rows = [0] + [node + 1 for node in path]  # the root, then the path's nodes
         assert torch.equal(got_k[root:], keys[r][rows])

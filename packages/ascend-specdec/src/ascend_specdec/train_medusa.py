@@ -50,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[1])
     p.add_argument("--base", required=True, help="base model folder (config.json, safetensors)")
     p.add_argument("--out", required=True, help="folder to write the heads into")
+    p.add_argument("--measure-paths", action="store_true",
+                   help="measure the heads already in --out instead of training: greedy "
+                        "continuations as the options say (use another --seed than training's), "
+                        "their candidate paths written to medusa_paths.json for "
+                        "medusa_tree_config auto")
     p.add_argument("--dtype", default=None,
                    help="dtype of the saved heads (default: the base checkpoint's)")
     for f in fields(TrainOptions):
@@ -82,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --dtype {args.dtype!r} is not a torch floating-point dtype "
                   "(float32, bfloat16, float16)", file=sys.stderr)
             return 2
+    if args.measure_paths:
+        from ascend_specdec.medusa.train import measure_tree_paths
+
+        measure_tree_paths(args.base, args.out, options)
+        return 0
     from ascend_specdec.medusa.train import train_medusa_heads
 
     train_medusa_heads(args.base, args.out, options, save_dtype=save_dtype)

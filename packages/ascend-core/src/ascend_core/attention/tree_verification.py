@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,13 @@ class TreeRequest:
     @property
     def num_nodes(self) -> int:
         return self.mask.shape[0] - 1
+
+    @functools.cached_property
+    def allowed(self) -> torch.Tensor:
+        """``[m, root + m + 1]``: the keys each node row attends to (context, ancestors,
+        itself)."""
+        context = torch.ones((self.num_nodes, self.root_position), dtype=torch.bool)
+        return torch.cat([context, self.mask[1:]], dim=1)
 
 
 @dataclass
@@ -154,21 +162,32 @@ def cache_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
     return layouts[0], layouts[1]
 
 
-def read_context(impl: Any, layer: Any, kv_cache: torch.Tensor, block_row: torch.Tensor,
-                 num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[num_tokens, kv_heads, head]`` of a request's first tokens."""
+def read_contexts(layer: Any, kv_cache: torch.Tensor,
+                  requests: Sequence[tuple[torch.Tensor, int]]
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys and values ``[n, kv_heads, head]`` of each request's first ``n`` tokens, for
+    ``(block table row, n)`` pairs: one gather of every block they use, one reordering."""
     blocks, kv_heads, block_size, double_head = kv_cache.shape
     head_size = double_head // 2
     key_at, value_at = cache_layout(layer.isa, kv_cache.dtype, block_size, head_size)
-    used = -(-num_tokens // block_size)
-    region = kv_cache.view(blocks, kv_heads, 2, block_size * head_size)[block_row[:used]]
+    used = [-(-n // block_size) for _, n in requests]
+    table = torch.cat([row[:count] for (row, _), count in zip(requests, used, strict=True)])
+    region = kv_cache.view(blocks, kv_heads, 2, block_size * head_size)[table.long()]
 
-    def plain(part: int, where: torch.Tensor) -> torch.Tensor:
-        rows = region[:, :, part].index_select(-1, where)
-        rows = rows.view(used, kv_heads, block_size, head_size).permute(0, 2, 1, 3)
-        return rows.reshape(used * block_size, kv_heads, head_size)[:num_tokens]
+    def plain(part: int, where: torch.Tensor) -> list[torch.Tensor]:
+        rows = region[:, :, part].reshape(-1, block_size * head_size)[:, where]
+        rows = rows.view(-1, kv_heads, block_size, head_size).permute(0, 2, 1, 3)
+        rows = rows.reshape(-1, kv_heads, head_size)
+        split = rows.split([count * block_size for count in used])
+        return [tokens[:n] for tokens, (_, n) in zip(split, requests, strict=True)]
 
-    return plain(0, key_at), plain(1, value_at)
+    return list(zip(plain(0, key_at), plain(1, value_at), strict=True))
+
+
+def read_context(layer: Any, kv_cache: torch.Tensor, block_row: torch.Tensor,
+                 num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[num_tokens, kv_heads, head]`` of one request's first tokens."""
+    return read_contexts(layer, kv_cache, [(block_row, num_tokens)])[0]
 
 
 # --------------------------------------------------------------------------- attention
@@ -230,25 +249,22 @@ def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  attn_metadata: Any, output: torch.Tensor) -> None:
     """Recompute the node rows of every tree request in ``output`` (vLLM's CPU attention
-    and cache layout)."""
+    and cache layout), in float32 as the kernel accumulates."""
     heads, head_size = query.shape[1], query.shape[2]
     rows_out = output.view(output.shape[0], heads, head_size)
-    for request in step.requests:
-        m, start, root = request.num_nodes, request.query_start, request.root_position
+    contexts = read_contexts(layer, kv_cache, [
+        (attn_metadata.block_table[request.index], request.root_position)
+        for request in step.requests])
+    for request, (context_k, context_v) in zip(step.requests, contexts, strict=True):
+        m, start = request.num_nodes, request.query_start
         nodes = slice(start + 1, start + 1 + m)
-        context_k, context_v = read_context(impl, layer, kv_cache,
-                                            attn_metadata.block_table[request.index], root)
-        keys = torch.cat([context_k, key[start:start + 1 + m]]).float()
-        values = torch.cat([context_v, value[start:start + 1 + m]]).float()
-        group = heads // keys.shape[1]
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", query[nodes].float(), keys) * impl.scale
-        allowed = torch.cat([torch.ones((m, root), dtype=torch.bool), request.mask[1:]], dim=1)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        attended = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
-        rows_out[nodes] = attended.to(rows_out.dtype)
+        keys = torch.cat([context_k, key[start:start + 1 + m]]).float().transpose(0, 1)
+        values = torch.cat([context_v, value[start:start + 1 + m]]).float().transpose(0, 1)
+        attended = F.scaled_dot_product_attention(
+            query[nodes].float().transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
+            values.unsqueeze(0), attn_mask=request.allowed, scale=impl.scale,
+            enable_gqa=heads != keys.shape[0])
+        rows_out[nodes] = attended.squeeze(0).transpose(0, 1).to(rows_out.dtype)
 
 
 def compact(step: TreeStep, accepted: Sequence[Sequence[int]]) -> int:

@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,46 @@ def train_medusa_heads(base_dir: str | Path, out_dir: str | Path,
                                                        encoding="utf-8")
     log(f"wrote {out_dir} ({time.monotonic() - started:.1f} s in all)")
     return result
+
+
+def measure_tree_paths(base_dir: str | Path, heads_dir: str | Path,
+                       options: TrainOptions | None = None, *, log=_stderr) -> dict:
+    """Measure heads trained before (``heads_dir``, in their saved dtype) for trees: fresh
+    greedy continuations from ``options`` (prompts, samples, seed), their candidate paths
+    written to ``medusa_paths.json`` beside the heads (what ``medusa_tree_config.auto``
+    reads). Returns what was written."""
+    from ascend_specdec.medusa.base_model import TransformersBaseLM
+    from ascend_specdec.medusa.checkpoint import load_heads
+
+    options = options or TrainOptions()
+    started = time.monotonic()
+    from safetensors import safe_open
+
+    heads = load_heads(heads_dir)  # float32, cast to the saved dtype for the measurement
+    first = sorted(Path(heads_dir).glob("*.safetensors"))[0]
+    with safe_open(str(first), framework="pt") as weights:
+        dtype = weights.get_tensor(next(iter(weights.keys()))).dtype
+    if heads.num_heads != options.heads:
+        options = replace(options, heads=heads.num_heads)
+    base_dtype = (getattr(torch, options.base_dtype) if options.base_dtype
+                  else _checkpoint_dtype(Path(base_dir)))
+    base = TransformersBaseLM.load(Path(base_dir), dtype=base_dtype)
+    text_ids = base.encode_text(options.prompt_text) if options.prompt_text else None
+    file_prompts = (base.encode_prompts_file(options.prompts_file) if options.prompts_file
+                    else None)
+    log(f"measuring the paths of {heads_dir} ({heads.num_heads} heads, "
+        f"{str(dtype).removeprefix('torch.')}) on {options.samples} greedy continuations")
+    _, held_out = generate_distillation_data(base, options, base.sample_ids,
+                                             base.bos_token_id, log=log, text_ids=text_ids,
+                                             file_prompts=file_prompts, held_out_only=True)
+    trees = tree_estimates(heads, held_out, dtype)
+    log(f"chain of {heads.num_heads}: acceptance length "
+        f"{trees['chain_acceptance_length']:.2f}")
+    for budget, tree in trees["trees"].items():
+        log(f"tree of {budget} nodes: acceptance length {tree['acceptance_length']:.2f}")
+    (Path(heads_dir) / PATHS_FILE).write_text(json.dumps(trees) + "\n", encoding="utf-8")
+    log(f"wrote {Path(heads_dir) / PATHS_FILE} ({time.monotonic() - started:.1f} s)")
+    return trees
 
 
 def cache_root() -> Path:

@@ -265,12 +265,14 @@ def generate_distillation_data(base: BaseLM, options: TrainOptions, sample_ids: 
                                log: Callable[[str], None] = print,
                                text_ids: torch.Tensor | None = None,
                                file_prompts: list[torch.Tensor] | None = None,
-                               ) -> tuple[DistillationSet, DistillationSet]:
+                               held_out_only: bool = False,
+                               ) -> tuple[DistillationSet | None, DistillationSet]:
     """(train, held-out) rows from ``options.samples`` greedy continuations.
 
     Prompts come from ``file_prompts`` (a prompts file's token ids, each used once, held-out
     prompts apart) when given, else windows of ``text_ids``, else random tokens of
-    ``sample_ids``.
+    ``sample_ids``. ``held_out_only``: every continuation is held out (train is None), to
+    measure heads trained before.
     """
     generator = torch.Generator().manual_seed(options.seed)
     num_held = max(1, round(options.samples * options.holdout))
@@ -281,6 +283,8 @@ def generate_distillation_data(base: BaseLM, options: TrainOptions, sample_ids: 
     else:
         batches = random_prompts(options.samples, options, sample_ids, bos_token_id, generator)
     total = sum(len(batch) for batch in batches)
+    if held_out_only:
+        num_held = total
     train_sets, held_sets = [], []
     done = 0
     started = time.monotonic()
@@ -301,6 +305,8 @@ def generate_distillation_data(base: BaseLM, options: TrainOptions, sample_ids: 
         done += prompts.shape[0]
         log(f"generating greedy continuations: {done}/{total} "
             f"({time.monotonic() - started:.1f} s)")
+    if held_out_only:
+        return None, concat(held_sets)
     if not train_sets:
         raise ValueError(f"samples={options.samples} with holdout={options.holdout} leaves no "
                          "continuation for training; raise --samples")
@@ -450,22 +456,34 @@ def tree_estimates(heads: MedusaHeads, held_out: DistillationSet, dtype: torch.d
     length (the continuations walked as a verifier does, as ``evaluate``)."""
     import copy
 
-    from ascend_specdec.medusa.tree import accepted_per_row, choose_tree, path_frequencies
+    from ascend_specdec.medusa.tree import (
+        accepted_per_row,
+        choose_tree,
+        parse_tree,
+        path_frequencies,
+    )
 
     served = copy.deepcopy(heads).to(dtype)
     ranks, complete = candidate_ranks(served, DistillationSet(held_out.features.to(dtype),
                                                               held_out.targets))
     frequencies = path_frequencies(ranks[complete])
+
+    def served(tree) -> float:
+        leading = accepted_per_row(ranks, tree).masked_fill(~complete, -1)
+        return (served_walk(leading, held_out.sequence_rows) if held_out.sequence_rows
+                else 1.0 + float(leading[complete].float().mean()))
+
+    chain = [[0] * depth for depth in range(1, heads.num_heads + 1)]
     trees = {}
     for budget in budgets:
         if budget > len(frequencies):
             break
         tree = choose_tree(frequencies, budget, num_heads=heads.num_heads)
-        leading = accepted_per_row(ranks, tree).masked_fill(~complete, -1)
-        length = (served_walk(leading, held_out.sequence_rows) if held_out.sequence_rows
-                  else 1.0 + float(leading[complete].float().mean()))
-        trees[budget] = {"acceptance_length": length, "paths": [list(p) for p in tree.paths]}
+        trees[budget] = {"acceptance_length": served(tree),
+                         "paths": [list(p) for p in tree.paths]}
     return {"rows": int(complete.sum()),
+            "chain_acceptance_length": served(parse_tree(chain, num_heads=heads.num_heads,
+                                                         num_nodes=len(chain))),
             "paths": [[list(path), frequency] for path, frequency in frequencies],
             "trees": trees}
 
