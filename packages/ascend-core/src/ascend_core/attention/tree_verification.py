@@ -162,6 +162,16 @@ def cache_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
     return layouts[0], layouts[1]
 
 
+@functools.lru_cache(maxsize=16)
+def _order(block_size: int, head_size: int, form: str) -> torch.Tensor:
+    """``cache_layout``'s answer for a block stored token-major ("tokens": ``[block,
+    head]``) or dimension-major ("dims": ``[head, block]``)."""
+    tokens = torch.arange(block_size).view(-1, 1)
+    dims = torch.arange(head_size).view(1, -1)
+    where = tokens * head_size + dims if form == "tokens" else dims * block_size + tokens
+    return where.flatten()
+
+
 def read_contexts(layer: Any, kv_cache: torch.Tensor,
                   requests: Sequence[tuple[torch.Tensor, int]]
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -175,9 +185,15 @@ def read_contexts(layer: Any, kv_cache: torch.Tensor,
     region = kv_cache.view(blocks, kv_heads, 2, block_size * head_size)[table.long()]
 
     def plain(part: int, where: torch.Tensor) -> list[torch.Tensor]:
-        rows = region[:, :, part].reshape(-1, block_size * head_size)[:, where]
-        rows = rows.view(-1, kv_heads, block_size, head_size).permute(0, 2, 1, 3)
-        rows = rows.reshape(-1, kv_heads, head_size)
+        stored = region[:, :, part]
+        if torch.equal(where, _order(block_size, head_size, "tokens")):  # [block, head]
+            rows = stored.view(-1, kv_heads, block_size, head_size)
+        elif torch.equal(where, _order(block_size, head_size, "dims")):  # [head, block]
+            rows = stored.view(-1, kv_heads, head_size, block_size).transpose(2, 3)
+        else:  # any other order (AMX's pair-interleaved blocks): one gather
+            rows = stored.reshape(-1, block_size * head_size)[:, where]
+            rows = rows.view(-1, kv_heads, block_size, head_size)
+        rows = rows.permute(0, 2, 1, 3).reshape(-1, kv_heads, head_size)
         split = rows.split([count * block_size for count in used])
         return [tokens[:n] for tokens, (_, n) in zip(split, requests, strict=True)]
 
@@ -249,7 +265,7 @@ def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  attn_metadata: Any, output: torch.Tensor) -> None:
     """Recompute the node rows of every tree request in ``output`` (vLLM's CPU attention
-    and cache layout), in float32 as the kernel accumulates."""
+    and cache layout); torch's CPU attention accumulates in float32, as the kernel does."""
     heads, head_size = query.shape[1], query.shape[2]
     rows_out = output.view(output.shape[0], heads, head_size)
     contexts = read_contexts(layer, kv_cache, [
@@ -258,10 +274,10 @@ def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
     for request, (context_k, context_v) in zip(step.requests, contexts, strict=True):
         m, start = request.num_nodes, request.query_start
         nodes = slice(start + 1, start + 1 + m)
-        keys = torch.cat([context_k, key[start:start + 1 + m]]).float().transpose(0, 1)
-        values = torch.cat([context_v, value[start:start + 1 + m]]).float().transpose(0, 1)
+        keys = torch.cat([context_k, key[start:start + 1 + m]]).transpose(0, 1)
+        values = torch.cat([context_v, value[start:start + 1 + m]]).transpose(0, 1)
         attended = F.scaled_dot_product_attention(
-            query[nodes].float().transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
+            query[nodes].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
             values.unsqueeze(0), attn_mask=request.allowed, scale=impl.scale,
             enable_gqa=heads != keys.shape[0])
         rows_out[nodes] = attended.squeeze(0).transpose(0, 1).to(rows_out.dtype)
