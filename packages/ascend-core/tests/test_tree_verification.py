@@ -84,6 +84,13 @@ def test_the_probed_layout_reads_back_what_vllms_op_wrote(isa, dtype, block_size
     cache.write(keys, values, range(tokens))
     got_k, got_v = tv.read_context(cache.layer, cache.kv_cache, cache.table, tokens)
     assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+    # vLLM's vector kernels store keys transposed, values token-major (read through views);
+    # AMX interleaves both in pairs (read through the probed indices).
+    forms = tv._block_forms(isa, dtype, block_size, cache.head_size)
+    if isa == "amx":
+        assert all(isinstance(form, torch.Tensor) for form in forms)
+    else:
+        assert forms == ("dims", "tokens")
     # The keys are not stored token-major: a plain read would not do.
     plain_keys = cache.kv_cache[cache.table[0].long(), :, :, :cache.head_size].transpose(0, 1)
     assert not torch.equal(plain_keys[:4], keys[:4])

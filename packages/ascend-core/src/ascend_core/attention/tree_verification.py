@@ -1,14 +1,15 @@
-"""Tree verification steps (Medusa's candidate trees) on vLLM's CPU attention: the host
+"""Tree verification steps (Medusa's candidate trees) for both model runners, and the host
 target's attention path for tree masks, which vLLM's CPU attention kernel does not have.
 
 In a tree step a request scores its last accepted token (the root) and ``m`` draft nodes in
 one query. The runner gives each node the position ``root + depth`` (``tree_positions``);
 the KV cache slots stay consecutive, so node ``j`` is stored at slot position
-``root + 1 + j``. vLLM's kernel writes the cache and attends causally; this module then
-recomputes the node rows in torch, each over the context, its ancestors and itself, and
-keeps the nodes' keys and values. After verification, ``compact`` writes the accepted
-path's keys and values to the positions ``root + 1 ..`` (through vLLM's own cache-write
-op), so no rejected branch survives into the next step: the scheduler keeps the tokens
+``root + 1 + j``. A wrapper around each attention layer keeps the nodes' keys and values;
+on the host, where vLLM's kernel writes the cache and attends causally, it also recomputes
+the node rows in torch, each over the context, its ancestors and itself (the npu backend
+applies the tree mask in its fused op). After verification, ``compact`` writes the
+accepted path's keys and values to the slots after the root through the layer's own cache
+write, so no rejected branch survives into the next step: the scheduler keeps the tokens
 up to the accepted path and later steps overwrite the rest.
 
 The context is read back from vLLM's CPU cache, whose per-block layout depends on the
@@ -23,15 +24,12 @@ nothing of ascend-specdec.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -163,13 +161,17 @@ def cache_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
 
 
 @functools.lru_cache(maxsize=16)
-def _order(block_size: int, head_size: int, form: str) -> torch.Tensor:
-    """``cache_layout``'s answer for a block stored token-major ("tokens": ``[block,
-    head]``) or dimension-major ("dims": ``[head, block]``)."""
+def _block_forms(isa: str, dtype: torch.dtype, block_size: int, head_size: int
+                 ) -> tuple[str | torch.Tensor, str | torch.Tensor]:
+    """For keys and values: "tokens" for blocks stored token-major (``[block, head]``),
+    "dims" for dimension-major (``[head, block]``), else ``cache_layout``'s indices."""
     tokens = torch.arange(block_size).view(-1, 1)
     dims = torch.arange(head_size).view(1, -1)
-    where = tokens * head_size + dims if form == "tokens" else dims * block_size + tokens
-    return where.flatten()
+    forms = {"tokens": (tokens * head_size + dims).flatten(),
+             "dims": (dims * block_size + tokens).flatten()}
+    found = cache_layout(isa, dtype, block_size, head_size)
+    return tuple(next((name for name, where in forms.items() if torch.equal(layout, where)),
+                      layout) for layout in found)
 
 
 def read_contexts(layer: Any, kv_cache: torch.Tensor,
@@ -179,25 +181,25 @@ def read_contexts(layer: Any, kv_cache: torch.Tensor,
     ``(block table row, n)`` pairs: one gather of every block they use, one reordering."""
     blocks, kv_heads, block_size, double_head = kv_cache.shape
     head_size = double_head // 2
-    key_at, value_at = cache_layout(layer.isa, kv_cache.dtype, block_size, head_size)
+    key_form, value_form = _block_forms(layer.isa, kv_cache.dtype, block_size, head_size)
     used = [-(-n // block_size) for _, n in requests]
     table = torch.cat([row[:count] for (row, _), count in zip(requests, used, strict=True)])
     region = kv_cache.view(blocks, kv_heads, 2, block_size * head_size)[table.long()]
 
-    def plain(part: int, where: torch.Tensor) -> list[torch.Tensor]:
+    def plain(part: int, form: str | torch.Tensor) -> list[torch.Tensor]:
         stored = region[:, :, part]
-        if torch.equal(where, _order(block_size, head_size, "tokens")):  # [block, head]
-            rows = stored.view(-1, kv_heads, block_size, head_size)
-        elif torch.equal(where, _order(block_size, head_size, "dims")):  # [head, block]
-            rows = stored.view(-1, kv_heads, head_size, block_size).transpose(2, 3)
-        else:  # any other order (AMX's pair-interleaved blocks): one gather
-            rows = stored.reshape(-1, block_size * head_size)[:, where]
+        if isinstance(form, torch.Tensor):  # any other order (AMX's pairs): one gather
+            rows = stored.reshape(-1, block_size * head_size)[:, form]
             rows = rows.view(-1, kv_heads, block_size, head_size)
+        elif form == "tokens":
+            rows = stored.view(-1, kv_heads, block_size, head_size)
+        else:
+            rows = stored.view(-1, kv_heads, head_size, block_size).transpose(2, 3)
         rows = rows.permute(0, 2, 1, 3).reshape(-1, kv_heads, head_size)
         split = rows.split([count * block_size for count in used])
         return [tokens[:n] for tokens, (_, n) in zip(split, requests, strict=True)]
 
-    return list(zip(plain(0, key_at), plain(1, value_at), strict=True))
+    return list(zip(plain(0, key_form), plain(1, value_form), strict=True))
 
 
 def read_context(layer: Any, kv_cache: torch.Tensor, block_row: torch.Tensor,
@@ -265,7 +267,8 @@ def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  attn_metadata: Any, output: torch.Tensor) -> None:
     """Recompute the node rows of every tree request in ``output`` (vLLM's CPU attention
-    and cache layout); torch's CPU attention accumulates in float32, as the kernel does."""
+    and cache layout), in float32 (bfloat16 probabilities moved greedy near-ties further
+    from the kernel's rows: a bfloat16 benchmark run parted at more of them)."""
     heads, head_size = query.shape[1], query.shape[2]
     rows_out = output.view(output.shape[0], heads, head_size)
     contexts = read_contexts(layer, kv_cache, [
@@ -274,10 +277,10 @@ def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
     for request, (context_k, context_v) in zip(step.requests, contexts, strict=True):
         m, start = request.num_nodes, request.query_start
         nodes = slice(start + 1, start + 1 + m)
-        keys = torch.cat([context_k, key[start:start + 1 + m]]).transpose(0, 1)
-        values = torch.cat([context_v, value[start:start + 1 + m]]).transpose(0, 1)
+        keys = torch.cat([context_k, key[start:start + 1 + m]]).float().transpose(0, 1)
+        values = torch.cat([context_v, value[start:start + 1 + m]]).float().transpose(0, 1)
         attended = F.scaled_dot_product_attention(
-            query[nodes].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
+            query[nodes].float().transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
             values.unsqueeze(0), attn_mask=request.allowed, scale=impl.scale,
             enable_gqa=heads != keys.shape[0])
         rows_out[nodes] = attended.squeeze(0).transpose(0, 1).to(rows_out.dtype)

@@ -47,6 +47,13 @@ class TreeVerificationRunnerMixin:
                 f"Medusa tree verification (medusa_tree_config) runs without FULL graphs, got "
                 f"cudagraph_mode={mode.name}: set compilation_config's cudagraph_mode to "
                 "PIECEWISE or NONE, or remove medusa_tree_config.paths")
+        if not hasattr(self.rejection_sampler, "tree_accepted"):
+            raise ValueError(
+                f"Medusa tree verification (medusa_tree_config) needs the plugin's rejection "
+                f"sampler, but this runner verifies with "
+                f"{type(self.rejection_sampler).__name__} (rejection_sample_method "
+                f"{getattr(self.speculative_config, 'rejection_sample_method', None)!r}): use "
+                "the standard method, or remove medusa_tree_config")
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         wrapped = tree_verification.install(layers, recompute=self.tree_attention_recomputes,
                                             check=self.check_tree_layer)
