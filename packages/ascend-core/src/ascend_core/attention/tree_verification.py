@@ -267,8 +267,7 @@ def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  attn_metadata: Any, output: torch.Tensor) -> None:
     """Recompute the node rows of every tree request in ``output`` (vLLM's CPU attention
-    and cache layout), in float32 (bfloat16 probabilities moved greedy near-ties further
-    from the kernel's rows: a bfloat16 benchmark run parted at more of them)."""
+    and cache layout), in float32, as the kernel accumulates."""
     heads, head_size = query.shape[1], query.shape[2]
     rows_out = output.view(output.shape[0], heads, head_size)
     contexts = read_contexts(layer, kv_cache, [
