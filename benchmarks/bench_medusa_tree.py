@@ -44,8 +44,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default="medusa_tree")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="only measure chain against the tree of --pair-nodes at batch 1, "
+                             "alternating N times (A B A B: this machine's load drifts), and "
+                             "add the per-pair ratios to the stored result")
+    parser.add_argument("--pair-nodes", type=int, default=8)
     options = parser.parse_args()
     budgets = [int(n) for n in options.nodes.split(",") if n.strip()]
+    if options.pairs:
+        return measure_pairs(options)
 
     from ascend_plugin.demo_model import demo_medusa_dir, demo_model_dir, held_out_prompts
 
@@ -120,6 +127,37 @@ def main() -> None:
     print("\n".join(lines))
 
 
+def measure_pairs(options: argparse.Namespace) -> None:
+    from ascend_plugin.demo_model import demo_medusa_dir, demo_model_dir, held_out_prompts
+
+    bench.BATCHES = (1,)
+    base, heads = str(demo_model_dir()), str(demo_medusa_dir())
+    chain = {"method": "medusa", "model": heads, "num_speculative_tokens": options.k}
+    tree = {**chain, "num_speculative_tokens": options.pair_nodes}
+    common = {"method": "pair", "stack": bench.PLUGIN, "target": "pycoder-26m", "model": base,
+              "prompts": held_out_prompts(), "top2_gaps": False}
+    pairs = []
+    for _ in range(options.pairs):
+        runs = [bench.run_config({**common, "name": name, "spec": spec, "llm": llm}, options)
+                for name, spec, llm in (
+                    (f"chain k={options.k}", chain, {}),
+                    (f"tree {options.pair_nodes} nodes", tree,
+                     {"additional_config": {"medusa_tree_config": {"auto": True}}}))]
+        speeds = [run["runs"]["1"]["decode_tokens_per_s"] for run in runs]
+        pairs.append({"chain_tokens_per_s": speeds[0], "tree_tokens_per_s": speeds[1],
+                      "ratio": speeds[1] / speeds[0],
+                      "load_average_after": runs[1]["load_average_after"]})
+    stored = json.loads((RESULTS / f"{options.out}.json").read_text())
+    stored["pairs"] = {"nodes": options.pair_nodes, "k": options.k, "batch": 1,
+                       "max_tokens": options.max_tokens, "repeats": options.repeats,
+                       "runs": pairs,
+                       "median_ratio": sorted(p["ratio"] for p in pairs)[len(pairs) // 2]}
+    (RESULTS / f"{options.out}.json").write_text(json.dumps(stored, indent=2) + "\n")
+    lines = markdown(stored)
+    (RESULTS / f"{options.out}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def _fmt(value, spec=".2f"):
     return "-" if value is None else format(value, spec)
 
@@ -156,6 +194,16 @@ def markdown(summary: dict) -> list[str]:
             f"{_fmt(row['accepted_vs_our_chain'])}x | "
             + ("yes |" if row["greedy_equal_to_no_speculation"]
                else f"no ({_fmt(row['largest_gap_where_parted'], '.3f')}) |"))
+    pairs = summary.get("pairs")
+    if pairs:
+        ratios = ", ".join(f"{p['ratio']:.2f}" for p in pairs["runs"])
+        lines += [
+            "",
+            f"Paired at batch 1 (`--pairs {len(pairs['runs'])} --pair-nodes {pairs['nodes']}`:"
+            f" chain k={pairs['k']} and the {pairs['nodes']}-node tree in alternating "
+            "processes, each the median of its repeats): tree / chain decode tokens/s per "
+            f"pair {ratios}; median {pairs['median_ratio']:.2f}.",
+        ]
     return lines
 
 
