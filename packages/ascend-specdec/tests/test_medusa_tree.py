@@ -208,3 +208,24 @@ def test_sharded_heads_offer_the_same_candidates(world_size):
     for per_rank in got:
         for candidates, want in zip(per_rank, expected, strict=True):
             assert torch.equal(candidates, want)
+
+
+def test_path_frequencies_choose_trees_and_count_accepted_tokens():
+    from ascend_specdec.medusa.tree import accepted_per_row, choose_tree, path_frequencies
+
+    # Rows' ranks of the true token per head (MAX_TOP_K: not among the candidates).
+    ranks = torch.tensor([[0, 0, 0], [0, 1, MAX_TOP_K], [1, 0, 0], [0, 0, 2],
+                          [MAX_TOP_K, 0, 0], [0, 1, 0]])
+    found = dict(path_frequencies(ranks))
+    assert found[(0,)] == 4 / 6 and found[(1,)] == 1 / 6
+    assert found[(0, 0)] == 2 / 6 and found[(0, 1)] == 2 / 6 and found[(0, 0, 0)] == 1 / 6
+    assert (MAX_TOP_K,) not in found and (0, 1, MAX_TOP_K) not in found
+    ordered = [path for path, _ in path_frequencies(ranks)]
+    assert ordered[:3] == [(0,), (0, 0), (0, 1)]  # parents first among equals
+    tree = choose_tree(path_frequencies(ranks), 3, num_heads=3)
+    assert tree.paths == ((0,), (0, 0), (0, 1))
+    assert accepted_per_row(ranks, tree).tolist() == [2, 2, 0, 2, 0, 2]
+    with pytest.raises(MedusaConfigError, match="fewer than num_speculative_tokens=40"):
+        choose_tree(path_frequencies(ranks), 40, num_heads=3)
+    # Paths deeper than the served heads are left out.
+    assert choose_tree(path_frequencies(ranks), 2, num_heads=1).paths == ((0,), (1,))

@@ -189,3 +189,34 @@ def test_the_served_estimate_runs_the_heads_in_the_served_dtype():
     served = served_estimate(heads, held_out, torch.bfloat16)
     assert min(served.top1) < 1.0 and served.acceptance_length < 4.0
     assert heads.head_weight(0).dtype == torch.float32  # the trained heads are not cast
+
+
+def test_trained_heads_record_their_paths_and_measure_paths_rewrites_them(tiny_base, tmp_path,
+                                                                         capsys):
+    from ascend_specdec.medusa.tree import PATHS_FILE, choose_tree
+
+    out = tmp_path / "heads"
+    assert train_medusa.main(["--base", str(tiny_base), "--out", str(out), "--heads", "2",
+                              "--steps", "20", "--samples", "48", "--eval-every", "10",
+                              "--continuation-tokens", "8", "--seed", "3"]) == 0
+    record = json.loads((out / PATHS_FILE).read_text())
+    report = json.loads((out / "training.json").read_text())
+    frequencies = [(tuple(path), share) for path, share in record["paths"]]
+    assert record["rows"] > 0 and frequencies
+    assert all(0 < share <= 1 for _, share in frequencies)
+    shares = dict(frequencies)
+    # A path is accepted only where its parent is: never more often.
+    assert all(shares[path[:-1]] >= share for path, share in frequencies if len(path) > 1)
+    for budget, tree in record["trees"].items():
+        assert len(tree["paths"]) == int(budget)
+        assert report["trees"][budget] == tree["acceptance_length"]
+        assert [list(p) for p in choose_tree(record["paths"], int(budget),
+                                             num_heads=2).paths] == tree["paths"]
+    assert "tree of 4 nodes (medusa_tree_config auto" in capsys.readouterr().err
+    (out / PATHS_FILE).unlink()
+    assert train_medusa.main(["--base", str(tiny_base), "--out", str(out), "--heads", "2",
+                              "--samples", "48", "--continuation-tokens", "8", "--seed", "4",
+                              "--measure-paths"]) == 0
+    measured = json.loads((out / PATHS_FILE).read_text())
+    assert measured["rows"] > 0 and measured["paths"] and "chain_acceptance_length" in measured
+    assert "measuring the paths of" in capsys.readouterr().err
