@@ -167,11 +167,11 @@ def test_more_speculative_tokens_than_heads_fail_at_start_up(base_dir, heads_dir
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]
 
 
-def tree_run(base_dir, heads_dir, env=HOST, tree=None, nodes=len(TREE), **llm) -> dict:
-    tree_config = tree or {"paths": TREE}
-    config = {**FIXED_DRAFT_LENGTH, "medusa_tree_config": tree_config,
+def tree_run(base_dir, heads_dir, env=HOST, **llm) -> dict:
+    """The tree above at its node count; ``additional_config`` adds to the tree's."""
+    config = {**FIXED_DRAFT_LENGTH, "medusa_tree_config": {"paths": TREE},
               **llm.pop("additional_config", {})}
-    return run(base_dir, env, speculative_config=medusa(heads_dir, k=nodes),
+    return run(base_dir, env, speculative_config=medusa(heads_dir, k=len(TREE)),
                additional_config=config, **llm)
 
 

@@ -188,7 +188,8 @@ def test_layers_the_host_path_does_not_reproduce_are_refused():
     with pytest.raises(ValueError, match="layer model.layers.1.attn with a sliding window"):
         tv.check_layer("model.layers.1.attn", windowed)
     capped = CPUAttentionBackendImpl(4, 64, 0.125, 2, None, None, "auto", logits_soft_cap=30.0)
-    with pytest.raises(ValueError, match="a logit soft cap; remove medusa_tree_config.paths"):
+    with pytest.raises(ValueError,
+                       match="a logit soft cap; remove medusa_tree_config to verify one"):
         tv.check_layer("x", capped)
 
 

@@ -225,7 +225,7 @@ def check_layer(name: str, impl: Any) -> None:
     if unsupported:
         raise ValueError(f"Medusa tree verification (medusa_tree_config) does not serve "
                          f"attention layer {name} with {', '.join(unsupported)}; remove "
-                         "medusa_tree_config.paths to verify one chain")
+                         "medusa_tree_config to verify one chain")
 
 
 def install(attention_layers: dict[str, Any], *, recompute: bool,

@@ -294,7 +294,7 @@ class NPUModelRunner(TreeVerificationRunnerMixin, CheckedLoRARunnerMixin, GPUMod
         if not isinstance(impl, AscendAttentionImpl):
             raise ValueError(f"Medusa tree verification (medusa_tree_config) on npu serves "
                              f"the {ASCEND_ATTN_NAME} backend's layers; layer {name} runs "
-                             f"{type(impl).__name__}: remove medusa_tree_config.paths")
+                             f"{type(impl).__name__}: remove medusa_tree_config")
 
     @_on_npu
     def load_model(self, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""Medusa tree verification in a model runner (host target): the hooks around vLLM's
+"""Medusa tree verification in both model runners: the hooks around vLLM's
 runner that a tree step needs. The drafter carries the tree (``drafter.tree``, None for
 chains) and the rejection sampler verifies it; see
 :mod:`ascend_core.attention.tree_verification` for the step itself.
@@ -46,7 +46,7 @@ class TreeVerificationRunnerMixin:
             raise ValueError(
                 f"Medusa tree verification (medusa_tree_config) runs without FULL graphs, got "
                 f"cudagraph_mode={mode.name}: set compilation_config's cudagraph_mode to "
-                "PIECEWISE or NONE, or remove medusa_tree_config.paths")
+                "PIECEWISE or NONE, or remove medusa_tree_config")
         if not hasattr(self.rejection_sampler, "tree_accepted"):
             raise ValueError(
                 f"Medusa tree verification (medusa_tree_config) needs the plugin's rejection "
