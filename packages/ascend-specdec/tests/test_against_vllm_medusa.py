@@ -152,3 +152,24 @@ def test_a_config_without_medusa_fc_bias_reads_as_vllm_reads_it(vllm_context, tm
     assert not any(name.endswith(".bias") for name, _ in theirs.named_parameters())
     hidden = torch.randn(64, 16)
     assert torch.equal(ours.propose(hidden), top1_drafts(theirs, hidden))
+
+
+def test_a_tree_drafts_its_nodes_from_each_heads_candidates(heads_dir):
+    folder, heads = heads_dir
+    config = vllm_config(folder, k=4)
+    config.additional_config = {"medusa_tree_config": {"paths": [[0], [1], [0, 0], [0, 2]]}}
+    proposer = AscendMedusaProposer(config, "cpu")
+    assert proposer.tree.top_k == (2, 3)
+    proposer.load_model(None)
+    hidden = torch.randn(2, 16)
+    drafts = proposer.propose(4, hidden)
+    candidates = heads.propose_top_k(hidden, [2, 3])
+    assert drafts.tolist() == torch.stack([candidates[0][:, 0], candidates[0][:, 1],
+                                           candidates[1][:, 0], candidates[1][:, 2]],
+                                          1).tolist()
+    assert proposer.propose(2, hidden).tolist() == drafts[:, :2].tolist()  # a tree prefix
+    # Candidates past the heads' draft vocabulary (12 tokens here) are refused.
+    config.additional_config = {"medusa_tree_config": {"paths": [[0], [13]]}}
+    config.speculative_config.num_speculative_tokens = 2
+    with pytest.raises(MedusaConfigError, match="draft from 12 tokens: use candidate indices"):
+        AscendMedusaProposer(config, "cpu")

@@ -22,7 +22,8 @@ def configured_tree(vllm_config: Any) -> MedusaTree | None:
     heads' measured paths), or None when it asks for none."""
     from ascend_core.config import AscendConfig
 
-    config = AscendConfig.from_dict(vllm_config.additional_config).medusa_tree_config
+    additional = getattr(vllm_config, "additional_config", None)
+    config = AscendConfig.from_dict(additional).medusa_tree_config
     if config.paths is None and not config.auto:
         return None
     if config.paths is not None and config.auto:
@@ -41,15 +42,22 @@ def configured_tree(vllm_config: Any) -> MedusaTree | None:
     heads = MedusaHeadsConfig.load(folder)
     nodes = spec_config.num_speculative_tokens
     if config.paths is not None:
-        return parse_tree(config.paths, num_heads=heads.num_heads, num_nodes=nodes)
-    record = folder / PATHS_FILE
-    if not record.is_file():
+        tree = parse_tree(config.paths, num_heads=heads.num_heads, num_nodes=nodes)
+    else:
+        record = folder / PATHS_FILE
+        if not record.is_file():
+            raise MedusaConfigError(
+                f"medusa_tree_config.auto: the heads in {folder} have no {PATHS_FILE} (the "
+                "paths their trainer measured); retrain them with python -m "
+                "ascend_specdec.train_medusa, or give medusa_tree_config.paths")
+        frequencies = json.loads(record.read_text(encoding="utf-8"))["paths"]
+        tree = choose_tree(frequencies, nodes, num_heads=heads.num_heads)
+    if max(tree.top_k) > heads.draft_vocab_size:
         raise MedusaConfigError(
-            f"medusa_tree_config.auto: the heads in {folder} have no {PATHS_FILE} (the "
-            "paths their trainer measured); retrain them with python -m "
-            "ascend_specdec.train_medusa, or give medusa_tree_config.paths")
-    frequencies = json.loads(record.read_text(encoding="utf-8"))["paths"]
-    return choose_tree(frequencies, nodes, num_heads=heads.num_heads)
+            f"medusa_tree_config: the tree takes a head's top {max(tree.top_k)} candidates, "
+            f"but the heads in {folder} draft from {heads.draft_vocab_size} tokens: use "
+            f"candidate indices below {heads.draft_vocab_size}")
+    return tree
 
 
 def check_config(vllm_config: Any) -> None:
