@@ -27,6 +27,7 @@ def vllm_config(heads_dir, k=3, hidden=16, vocab=40, dtype=torch.float32):
         model_config=SimpleNamespace(dtype=dtype, get_hidden_size=lambda: hidden,
                                      get_vocab_size=lambda: vocab),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
+        additional_config={},
     )
 
 

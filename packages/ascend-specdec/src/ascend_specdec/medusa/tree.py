@@ -72,20 +72,23 @@ class MedusaTree:
             rows[parent + 1].append(node)
         return tuple(tuple(row) for row in rows)
 
+    @cached_property
+    def _ancestors(self) -> torch.Tensor:
+        mask = torch.zeros((self.num_nodes + 1, self.num_nodes + 1), dtype=torch.bool)
+        mask[:, 0] = True
+        for node, parent in enumerate(self.parents):
+            mask[node + 1, node + 1] = True
+            if parent >= 0:
+                mask[node + 1] |= mask[parent + 1]
+        return mask
+
     def ancestor_mask(self, num_nodes: int | None = None) -> torch.Tensor:
         """``[m + 1, m + 1]`` bool over the root and the first ``m`` nodes: row ``i`` may
         attend to column ``j`` when ``j`` is ``i`` or one of its ancestors (the root is
-        everyone's)."""
+        everyone's). Built once per tree (a prefix's ancestors are in the prefix); read
+        only."""
         m = self.num_nodes if num_nodes is None else num_nodes
-        mask = torch.zeros((m + 1, m + 1), dtype=torch.bool)
-        mask[:, 0] = True
-        for node in range(m):
-            row = node + 1
-            mask[row, row] = True
-            parent = self.parents[node]
-            if parent >= 0:
-                mask[row] |= mask[parent + 1]
-        return mask
+        return self._ancestors[:m + 1, :m + 1]
 
     def node_tokens(self, candidates: Sequence[torch.Tensor], num_nodes: int) -> torch.Tensor:
         """Draft tokens of the first ``num_nodes`` nodes: ``candidates[h]`` is head ``h``'s
@@ -169,22 +172,19 @@ def verify_sampled(tree: MedusaTree, drafts: Sequence[int], probs: torch.Tensor,
     row, emitted = 0, []
     while True:
         remaining = probs[row].double().clone()
+        total = remaining.sum()
         accepted = None
         for node in tree.children[row]:
             if node >= m:
                 continue
             token = drafts[node]
-            total = remaining.sum()
-            if total <= 0:
-                break
             draw = torch.rand((), generator=generator, dtype=torch.float64)
             if draw * total < remaining[token]:
                 accepted = node
                 break
+            total -= remaining[token]
             remaining[token] = 0.0
         if accepted is None:
-            if remaining.sum() <= 0:  # every token with mass was a rejected draft: cannot be
-                remaining = probs[row].double().clone()
             token = int(torch.multinomial(remaining, 1, generator=generator))
             return emitted + [token], row
         emitted.append(drafts[accepted])

@@ -22,8 +22,7 @@ def configured_tree(vllm_config: Any) -> MedusaTree | None:
     heads' measured paths), or None when it asks for none."""
     from ascend_core.config import AscendConfig
 
-    additional = getattr(vllm_config, "additional_config", None)
-    config = AscendConfig.from_dict(additional).medusa_tree_config
+    config = AscendConfig.from_dict(vllm_config.additional_config).medusa_tree_config
     if config.paths is None and not config.auto:
         return None
     if config.paths is not None and config.auto:
