@@ -238,3 +238,31 @@ def test_row_argmax_is_torchs_argmax(vocab):
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))
     strided = torch.randn(8, 2 * vocab, generator=g)[:, ::2]
     assert torch.equal(row_argmax(strided), strided.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+@pytest.mark.parametrize("accept_share", [0.1, 0.9])
+def test_chunks_and_both_residual_ways_give_the_same_tokens(monkeypatch, with_draft_probs,
+                                                            accept_share):
+    """Rows verified a few at a time, with the residual built in place for a whole chunk
+    (most rows rejected) or from a copy of the rejected rows (few rejected), draw the same
+    tokens as all rows in one chunk."""
+    import ascend_kernels.rejection_logits as module
+
+    lengths = [4, 3, 4, 4, 1, 4, 2, 4, 4, 3, 4, 4]
+    cu, drafts, draft_probs, logits, bonus, uniform, recovery = case(
+        9, lengths, vocab=300, with_draft_probs=with_draft_probs)
+    if not with_draft_probs:  # argmax drafts, so that q = 1 can be accepted
+        drafts = logits.argmax(-1).to(torch.int32)
+    # Each uniform decides its draft's fate: near 0 accepts, near 1 rejects.
+    g = torch.Generator().manual_seed(10)
+    accept = torch.rand(len(drafts), generator=g) < accept_share
+    uniform = torch.where(accept, 1e-9, 1.0 - 1e-9).double()
+    args = (cu, drafts, draft_probs, logits, bonus, uniform, recovery, 4)
+    whole = rejection_sample_from_logits(*args)
+    monkeypatch.setattr(module, "_CHUNK_ELEMENTS", 3 * 300)  # three rows at a time
+    chunked = rejection_sample_from_logits(*args)
+    assert torch.equal(chunked, whole)
+    counts = accepted_counts(whole)
+    assert 0 < sum(counts) < sum(lengths)
+    assert any(count < length for count, length in zip(counts, lengths))
