@@ -140,6 +140,49 @@ def test_node_rows_attend_to_the_context_and_their_ancestors(isa, dtype, block_s
 
 
 @pytest.mark.parametrize(("isa", "dtype", "block_size"), ISAS)
+def test_requests_of_different_sizes_are_recomputed_together(isa, dtype, block_size):
+    """Two tree requests (5 and 3 nodes, contexts of different lengths, their own blocks)
+    around a plain decode request: one padded masked attention gives each node row what
+    attention over its own request's keys gives."""
+    cache = Cache(isa, dtype, block_size, seed=3, blocks=12)
+    tables = torch.stack([cache.table, torch.roll(cache.table, -6), torch.roll(cache.table, 3)])
+    roots, nodes = [block_size + 3, 0, 2 * block_size - 1], [5, 0, 3]
+    starts = [0, 6, 8]  # query rows: request 0's root and 5 nodes, request 1's 2, request 2's
+    query = cache.randn(12, cache.heads, cache.head_size)
+    step_keys = cache.randn(12, cache.kv_heads, cache.head_size)
+    step_values = cache.randn(12, cache.kv_heads, cache.head_size)
+    contexts = {}
+    slots = torch.zeros(12, dtype=torch.long)
+    for r in (0, 2):
+        cache.table = tables[r]
+        root, m, start = roots[r], nodes[r], starts[r]
+        keys = torch.cat([cache.randn(root, cache.kv_heads, cache.head_size),
+                          step_keys[start:start + 1 + m]])
+        values = torch.cat([cache.randn(root, cache.kv_heads, cache.head_size),
+                            step_values[start:start + 1 + m]])
+        cache.write(keys, values, range(root + 1 + m))  # what vLLM does before attention
+        slots[start:start + 1 + m] = cache.slots(range(root, root + 1 + m))
+        contexts[r] = keys, values
+    step = tv.plan_step(Tree, nodes, starts + [12], roots)
+    assert [r.index for r in step.requests] == [0, 2]
+    metadata = SimpleNamespace(block_table=tables, slot_mapping=slots)
+    output = torch.zeros(12, cache.heads * cache.head_size, dtype=dtype)
+    tv.attend_nodes(step, cache.impl, cache.layer, query, step_keys, step_values,
+                    cache.kv_cache, metadata, output)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for r in (0, 2):
+        root, m, start = roots[r], nodes[r], starts[r]
+        allowed = torch.cat([torch.ones(m, root, dtype=torch.bool),
+                             Tree.ancestor_mask(m)[1:]], 1)
+        expected = masked_attention(query[start + 1:start + 1 + m], *contexts[r], allowed,
+                                    cache.impl.scale)
+        got = output[start + 1:start + 1 + m].view(m, cache.heads, cache.head_size).float()
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    untouched = [0, 6, 7, 8]  # the roots and the plain request: the kernel's rows
+    assert output[untouched].abs().sum() == 0
+
+
+@pytest.mark.parametrize(("isa", "dtype", "block_size"), ISAS)
 def test_compaction_moves_the_accepted_path_after_the_root(isa, dtype, block_size):
     cache = Cache(isa, dtype, block_size, seed=2)
     roots, m = [block_size - 3, 4], 5  # request 0's nodes cross a block boundary
@@ -158,10 +201,7 @@ def test_compaction_moves_the_accepted_path_after_the_root(isa, dtype, block_siz
     step_keys, step_values, slot_mapping = torch.cat(keys), torch.cat(values), torch.cat(slots)
     cache.impl.do_kv_cache_update(cache.layer, step_keys, step_values, cache.kv_cache,
                                   slot_mapping)
-    kept = tv._LayerNodes(cache.impl, cache.layer, cache.kv_cache)
-    for request in step.requests:
-        kept.keep(request, step_keys, step_values, slot_mapping)
-    step.layers.append(kept)
+    step.keep(cache.impl, cache.layer, cache.kv_cache, step_keys, step_values, slot_mapping)
     # Request 0 accepted [0] [0,0] [0,0,0] (nodes 0, 2, 4); request 1 only [1] (node 1).
     accepted = [[0, 2, 4], [1]]
     assert tv.compact(step, accepted) == 3  # nodes 2, 4 of request 0 and node 1 of request 1

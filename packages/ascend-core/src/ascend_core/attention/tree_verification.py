@@ -6,8 +6,9 @@ one query. The runner gives each node the position ``root + depth`` (``tree_posi
 the KV cache slots stay consecutive, so node ``j`` is stored at slot position
 ``root + 1 + j``. A wrapper around each attention layer keeps the nodes' keys and values;
 on the host, where vLLM's kernel writes the cache and attends causally, it also recomputes
-the node rows in torch, each over the context, its ancestors and itself (the npu backend
-applies the tree mask in its fused op). After verification, ``compact`` writes the
+the node rows in torch, each over the context, its ancestors and itself, every tree request
+of the step in one padded masked attention per layer (the npu backend applies the tree
+mask in its fused op). After verification, ``compact`` writes the
 accepted path's keys and values to the slots after the root through the layer's own cache
 write, so no rejected branch survives into the next step: the scheduler keeps the tokens
 up to the accepted path and later steps overwrite the rest.
@@ -43,39 +44,45 @@ class TreeRequest:
     def num_nodes(self) -> int:
         return self.mask.shape[0] - 1
 
-    @functools.cached_property
-    def allowed(self) -> torch.Tensor:
-        """``[m, root + m + 1]``: the keys each node row attends to (context, ancestors,
-        itself)."""
-        context = torch.ones((self.num_nodes, self.root_position), dtype=torch.bool)
-        return torch.cat([context, self.mask[1:]], dim=1)
 
 
 @dataclass
 class _LayerNodes:
-    """One attention layer's nodes of a step, kept for ``compact``."""
+    """One attention layer's nodes of a step, kept for ``compact``: the layer, its cache,
+    and, for every node of the step's tree requests (``TreeStep.node_rows`` order), its
+    slot (positions root + 1 .. root + m of its request) and its key and value
+    ``[kv_heads, head]`` as written there."""
 
     impl: Any
     layer: Any
     kv_cache: torch.Tensor
-    # Per tree request: the slots of positions root + 1 .. root + m, and the nodes' keys
-    # and values [m, kv_heads, head] as written there.
-    slots: list[torch.Tensor] = field(default_factory=list)
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-
-    def keep(self, request: TreeRequest, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-        nodes = slice(request.query_start + 1, request.query_start + 1 + request.num_nodes)
-        self.slots.append(slot_mapping[nodes].clone())
-        self.keys.append(key[nodes].clone())
-        self.values.append(value[nodes].clone())
+    slots: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
 
 
 @dataclass
 class TreeStep:
     requests: list[TreeRequest]
     layers: list[_LayerNodes] = field(default_factory=list)
+    # Per (attention metadata, block size): the host recompute's gather indices and mask,
+    # the same for every layer that shares them.
+    plans: dict[tuple[int, int], _NodePlan] = field(default_factory=dict)
+
+    @functools.cached_property
+    def node_rows(self) -> torch.Tensor:
+        """The step's query rows of every tree request's nodes, request by request."""
+        return torch.cat([torch.arange(r.query_start + 1, r.query_start + 1 + r.num_nodes)
+                          for r in self.requests])
+
+    def keep(self, impl: Any, layer: Any, kv_cache: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Copy one layer's node keys, values and slots (the layer's tensors are not kept:
+        buffers may be reused once the layer is done)."""
+        rows = self.node_rows.to(key.device)
+        self.layers.append(_LayerNodes(impl, layer, kv_cache,
+                                       slot_mapping.index_select(0, rows.to(slot_mapping.device)),
+                                       key.index_select(0, rows), value.index_select(0, rows)))
 
 
 _current: TreeStep | None = None
@@ -174,38 +181,40 @@ def _block_forms(isa: str, dtype: torch.dtype, block_size: int, head_size: int
                       layout) for layout in found)
 
 
-def read_contexts(layer: Any, kv_cache: torch.Tensor,
-                  requests: Sequence[tuple[torch.Tensor, int]]
-                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Keys and values ``[n, kv_heads, head]`` of each request's first ``n`` tokens, for
-    ``(block table row, n)`` pairs: one gather of every block they use, one reordering."""
-    blocks, kv_heads, block_size, double_head = kv_cache.shape
+def gather_tokens(layer: Any, kv_cache: torch.Tensor, table: torch.Tensor,
+                  index: torch.Tensor, dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[kv_heads, *index.shape, head]`` (in ``dtype``, the cache's by
+    default) of the cache's blocks ``table`` taken as one run of tokens (block ``table[i]``
+    holds tokens ``i * block_size`` onwards), at ``index``: the blocks in one gather, each
+    part put head-major and token-major in one copy (through views where its layout is
+    token- or dimension-major), then the tokens."""
+    num_blocks, kv_heads, block_size, double_head = kv_cache.shape
     head_size = double_head // 2
-    key_form, value_form = _block_forms(layer.isa, kv_cache.dtype, block_size, head_size)
-    used = [-(-n // block_size) for _, n in requests]
-    table = torch.cat([row[:count] for (row, _), count in zip(requests, used, strict=True)])
-    region = kv_cache.view(blocks, kv_heads, 2, block_size * head_size)[table.long()]
-
-    def plain(part: int, form: str | torch.Tensor) -> list[torch.Tensor]:
+    region = kv_cache.view(num_blocks, kv_heads, 2, block_size * head_size)[table]
+    parts = []
+    for part, form in enumerate(_block_forms(layer.isa, kv_cache.dtype, block_size,
+                                             head_size)):
         stored = region[:, :, part]
         if isinstance(form, torch.Tensor):  # any other order (AMX's pairs): one gather
-            rows = stored.reshape(-1, block_size * head_size)[:, form]
-            rows = rows.view(-1, kv_heads, block_size, head_size)
-        elif form == "tokens":
-            rows = stored.view(-1, kv_heads, block_size, head_size)
+            stored = stored[:, :, form.to(stored.device)]
+        if isinstance(form, str) and form == "dims":
+            blocks = stored.view(-1, kv_heads, head_size, block_size).permute(1, 0, 3, 2)
         else:
-            rows = stored.view(-1, kv_heads, head_size, block_size).transpose(2, 3)
-        rows = rows.permute(0, 2, 1, 3).reshape(-1, kv_heads, head_size)
-        split = rows.split([count * block_size for count in used])
-        return [tokens[:n] for tokens, (_, n) in zip(split, requests, strict=True)]
-
-    return list(zip(plain(0, key_form), plain(1, value_form), strict=True))
+            blocks = stored.view(-1, kv_heads, block_size, head_size).transpose(0, 1)
+        tokens = torch.empty(blocks.shape, dtype=dtype or kv_cache.dtype,
+                             device=kv_cache.device).copy_(blocks)
+        parts.append(tokens.view(kv_heads, -1, head_size)[:, index])
+    return parts[0], parts[1]
 
 
 def read_context(layer: Any, kv_cache: torch.Tensor, block_row: torch.Tensor,
                  num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[num_tokens, kv_heads, head]`` of one request's first tokens."""
-    return read_contexts(layer, kv_cache, [(block_row, num_tokens)])[0]
+    table = block_row[:-(-num_tokens // kv_cache.shape[2])].long()
+    keys, values = gather_tokens(layer, kv_cache, table,
+                                 torch.arange(num_tokens, device=block_row.device))
+    return keys.transpose(0, 1), values.transpose(0, 1)
 
 
 # --------------------------------------------------------------------------- attention
@@ -248,10 +257,7 @@ def install(attention_layers: dict[str, Any], *, recompute: bool,
                                *args, **kwargs)
             step = _current
             if step is not None and attn_metadata is not None:
-                kept = _LayerNodes(_impl, layer, kv_cache)
-                for request in step.requests:
-                    kept.keep(request, key, value, attn_metadata.slot_mapping)
-                step.layers.append(kept)
+                step.keep(_impl, layer, kv_cache, key, value, attn_metadata.slot_mapping)
                 if recompute:
                     attend_nodes(step, _impl, layer, query, key, value, kv_cache,
                                  attn_metadata, output)
@@ -263,26 +269,66 @@ def install(attention_layers: dict[str, Any], *, recompute: bool,
     return wrapped
 
 
+@dataclass
+class _NodePlan:
+    """How the host recompute reads a step's tree requests: ``R`` requests, each padded to
+    ``M`` nodes and ``L`` keys (its context, root and nodes, all in the cache once vLLM's
+    kernel has written the step)."""
+
+    table: torch.Tensor  # [blocks] every request's blocks, one request after another
+    keys: torch.Tensor  # [R, L] each key's token in them (padding repeats the last key)
+    queries: torch.Tensor  # [R, M] the query row of each node (padding repeats the last)
+    allowed: torch.Tensor  # [R, 1, M, L] the keys each node attends to
+    real: torch.Tensor  # [nodes] the real (not padding) entries of the flattened [R, M]
+    rows: torch.Tensor  # [nodes] their query rows
+
+    @classmethod
+    def build(cls, step: TreeStep, block_table: torch.Tensor, block_size: int) -> _NodePlan:
+        requests = step.requests
+        length = max(r.root_position + 1 + r.num_nodes for r in requests)
+        width = max(r.num_nodes for r in requests)
+        tables, keys, queries = [], [], []
+        allowed = torch.zeros((len(requests), width, length), dtype=torch.bool)
+        first = 0  # the request's first token in the blocks gathered
+        for i, r in enumerate(requests):
+            m, root = r.num_nodes, r.root_position
+            used = -(-(root + m + 1) // block_size)
+            tables.append(block_table[r.index, :used])
+            keys.append(first + torch.arange(length).clamp(max=root + m))
+            queries.append(r.query_start + 1 + torch.arange(width).clamp(max=m - 1))
+            allowed[i, :m, :root] = True  # the context
+            allowed[i, :m, root:root + m + 1] = r.mask[1:]  # the root, ancestors, itself
+            allowed[i, m:] = allowed[i, m - 1]
+            first += used * block_size
+        real = torch.cat([i * width + torch.arange(r.num_nodes)
+                          for i, r in enumerate(requests)])
+        queries = torch.stack(queries)
+        return cls(torch.cat(tables).long(), torch.stack(keys), queries,
+                   allowed.unsqueeze(1), real, queries.flatten()[real])
+
+
 def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  attn_metadata: Any, output: torch.Tensor) -> None:
     """Recompute the node rows of every tree request in ``output`` (vLLM's CPU attention
-    and cache layout), in float32, as the kernel accumulates."""
+    and cache layout), in float32, as the kernel accumulates: all requests in one masked
+    attention, over keys and values read back from the cache, where vLLM's kernel has
+    just written the step's (``key`` and ``value`` are those)."""
     heads, head_size = query.shape[1], query.shape[2]
-    rows_out = output.view(output.shape[0], heads, head_size)
-    contexts = read_contexts(layer, kv_cache, [
-        (attn_metadata.block_table[request.index], request.root_position)
-        for request in step.requests])
-    for request, (context_k, context_v) in zip(step.requests, contexts, strict=True):
-        m, start = request.num_nodes, request.query_start
-        nodes = slice(start + 1, start + 1 + m)
-        keys = torch.cat([context_k, key[start:start + 1 + m]]).float().transpose(0, 1)
-        values = torch.cat([context_v, value[start:start + 1 + m]]).float().transpose(0, 1)
-        attended = F.scaled_dot_product_attention(
-            query[nodes].float().transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
-            values.unsqueeze(0), attn_mask=request.allowed, scale=impl.scale,
-            enable_gqa=heads != keys.shape[0])
-        rows_out[nodes] = attended.squeeze(0).transpose(0, 1).to(rows_out.dtype)
+    block_size = kv_cache.shape[2]
+    where = (id(attn_metadata), block_size)
+    plan = step.plans.get(where)
+    if plan is None:
+        plan = step.plans[where] = _NodePlan.build(step, attn_metadata.block_table, block_size)
+    keys, values = (part.transpose(0, 1)  # [R, kv_heads, L, head]
+                    for part in gather_tokens(layer, kv_cache, plan.table, plan.keys,
+                                              torch.float32))
+    queries = query[plan.queries].float().transpose(1, 2)  # [R, heads, M, head]
+    attended = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=plan.allowed, scale=impl.scale,
+        enable_gqa=heads != keys.shape[1])
+    nodes = attended.transpose(1, 2).reshape(-1, heads, head_size)[plan.real]
+    output.view(output.shape[0], heads, head_size)[plan.rows] = nodes.to(output.dtype)
 
 
 def compact(step: TreeStep, accepted: Sequence[Sequence[int]]) -> int:
@@ -290,18 +336,19 @@ def compact(step: TreeStep, accepted: Sequence[Sequence[int]]) -> int:
     first) to the slots right after its root (those the step gave its first nodes), in
     every layer's cache, through the layer's own cache write. Returns the tokens moved
     per layer."""
-    moved = 0
+    sources, targets, first = [], [], 0
+    for request in step.requests:
+        for depth, node in enumerate(accepted[request.index], start=1):
+            if node != depth - 1:  # node `depth - 1` is in place already
+                sources.append(first + node)
+                targets.append(first + depth - 1)
+        first += request.num_nodes
+    if not sources:
+        return 0
     for kept in step.layers:
-        keys, values, slots = [], [], []
-        for request, node_slots, node_keys, node_values in zip(
-                step.requests, kept.slots, kept.keys, kept.values, strict=True):
-            for depth, node in enumerate(accepted[request.index], start=1):
-                if node != depth - 1:  # node `depth - 1` is in place already
-                    slots.append(node_slots[depth - 1])
-                    keys.append(node_keys[node])
-                    values.append(node_values[node])
-        if slots:
-            kept.impl.do_kv_cache_update(kept.layer, torch.stack(keys), torch.stack(values),
-                                         kept.kv_cache, torch.stack(slots))
-        moved = len(slots)
-    return moved
+        source = torch.tensor(sources, device=kept.keys.device)
+        target = torch.tensor(targets, device=kept.slots.device)
+        kept.impl.do_kv_cache_update(kept.layer, kept.keys.index_select(0, source),
+                                     kept.values.index_select(0, source), kept.kv_cache,
+                                     kept.slots.index_select(0, target))
+    return len(sources)
