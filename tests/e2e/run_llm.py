@@ -167,8 +167,13 @@ def main() -> None:
         print("RESULT " + json.dumps(score(llm, args["score"])), flush=True)
         return
     # "sampling" overrides these SamplingParams (e.g. {"temperature": 0.8, "seed": 7}).
+    sampling = dict(args.get("sampling", {}))
+    if "structured_outputs" in sampling:  # e.g. {"choice": ["yes", "no"]}
+        from vllm.sampling_params import StructuredOutputsParams
+
+        sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
     params = SamplingParams(**{"temperature": 0.0, "max_tokens": args.get("max_tokens", 16),
-                               "ignore_eos": True, **args.get("sampling", {})})
+                               "ignore_eos": True, **sampling})
     outputs = llm.generate(args["prompts"], params, use_tqdm=False,
                            lora_request=lora_requests(args.get("lora")))
     result = {

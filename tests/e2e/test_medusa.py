@@ -232,6 +232,29 @@ def test_the_trainers_tree_serves_its_estimate_and_beats_the_chain(base_dir, hea
     assert served >= 1.25 * chain
 
 
+# Options a tree step applies per row with the row's own path as history.
+ROW_OPTIONS = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.2,
+               "bad_words": ["the"], "min_tokens": 24, "stop_token_ids": [13]}
+
+
+def test_tree_steps_apply_penalties_bad_words_and_min_tokens_as_no_speculation(base_dir,
+                                                                               heads_dir):
+    """Greedy requests with penalties, a bad word and min_tokens before a stop token: the
+    tree verifies each node with its own path as history, so the output equals no
+    speculation's with the same options."""
+    plain = run_vllm({"model": base_dir, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                      "sampling": ROW_OPTIONS}, HOST)
+    tree = run_vllm({"model": base_dir, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                     "sampling": ROW_OPTIONS,
+                     "llm": {"disable_log_stats": False,
+                             "speculative_config": medusa(heads_dir, k=len(TREE)),
+                             "additional_config": {**FIXED_DRAFT_LENGTH,
+                                                   "medusa_tree_config": {"paths": TREE}}}},
+                    HOST)
+    assert tree["token_ids"] == plain["token_ids"]
+    assert acceptance_length(tree) > 1.2  # trees were verified, not bypassed
+
+
 def test_bad_trees_and_unserved_sampling_options_are_refused(base_dir, heads_dir):
     deep = start_failure({"model": base_dir, "prompts": ["x"],
                           "llm": {"speculative_config": medusa(heads_dir, k=4),
@@ -245,10 +268,10 @@ def test_bad_trees_and_unserved_sampling_options_are_refused(base_dir, heads_dir
                                   "additional_config": {"medusa_tree_config": {
                                       "paths": [[0]], "auto": True}}}}, HOST)
     assert "give paths or auto, not both" in both
-    # Admission: a request with a penalty is refused with what to do.
+    # Admission: a request with structured output is refused with what to do.
     penalty = start_failure({"model": base_dir, "prompts": ["x"],
-                             "sampling": {"presence_penalty": 0.5},
+                             "sampling": {"structured_outputs": {"choice": ["yes", "no"]}},
                              "llm": {"speculative_config": medusa(heads_dir, k=len(TREE)),
                                      "additional_config": {"medusa_tree_config": {
                                          "paths": TREE}}}}, HOST)
-    assert "the request sets presence_penalty: send it without them" in penalty
+    assert "the request sets structured_outputs: send it without them" in penalty

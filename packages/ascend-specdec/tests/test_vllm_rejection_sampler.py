@@ -639,8 +639,47 @@ def test_tree_steps_sample_the_target_distribution():
     assert statistic < CHI2_CRITICAL_0_001[dof], statistic
 
 
+def test_tree_rows_get_penalties_bad_words_allowed_ids_and_min_tokens_from_their_own_path():
+    """Each row of a tree step is processed with its own history: the request's output,
+    then the drafts from the root to that row's node, never a sibling branch's."""
+    from dataclasses import replace
+
+    from vllm.v1.sample.logits_processor import MinTokensLogitsProcessor
+
+    vocab, stop = 20, 19
+    # Nodes of TREE_PATHS: [0] [1] [0,0] [0,1] [1,0] [0,0,0] draft tokens 7 .. 12.
+    drafts = [7, 8, 9, 10, 11, 12]
+    minimum = MinTokensLogitsProcessor.__new__(MinTokensLogitsProcessor)
+    done = [5]
+    minimum.min_toks = {0: (3, done, {stop}, False)}  # two more tokens before a stop
+    allowed_mask = torch.zeros(1, vocab, dtype=torch.bool)
+    allowed_mask[0, 17] = True  # True: not allowed
+    sampling = replace(sampling_metadata([0.0]), no_penalties=False,
+                       prompt_token_ids=torch.tensor([[vocab]]),  # padding only
+                       repetition_penalties=torch.tensor([2.0]), output_token_ids=[done],
+                       allowed_token_ids_mask=allowed_mask,
+                       bad_words_token_ids={0: [[7, 9], [13]]},
+                       logitsprocs=LogitsProcessors([minimum]))
+    sampler = tree_sampler()
+    rows = sampler._process_tree_rows(torch.full((7, vocab), 2.0), sampling, [6], drafts)
+    penalized = [set((row == 1.0).nonzero().flatten().tolist()) for row in rows]
+    # Rows: the root, then nodes 0 .. 5 with paths [7] [8] [7,9] [7,10] [8,11] [7,9,12].
+    assert penalized == [{5}, {5, 7}, {5, 8}, {5, 7, 9}, {5, 7, 10}, {5, 8, 11},
+                         {5, 7, 9, 12}]
+    banned = [set(row.isinf().nonzero().flatten().tolist()) for row in rows]
+    # 13 and the disallowed 17 everywhere; 9 only after 7; the stop token below depth 2.
+    assert banned == [{13, 17, stop}, {9, 13, 17, stop}, {13, 17, stop}, {13, 17},
+                      {13, 17}, {13, 17}, {13, 17}]
+    # Through the sampler, greedy: the penalty moves the root's choice off token 5.
+    logits = torch.zeros(7, vocab)
+    logits[:, 5], logits[:, 6] = 3.0, 2.0
+    out = sampler(spec_metadata([drafts]), None, logits.clone(), sampling).sampled_token_ids
+    assert int(out[0, 0]) == 6
+
+
 def test_tree_servers_refuse_the_sampling_options_a_tree_step_ignores():
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     from ascend_specdec.medusa.tree import parse_tree
     from ascend_specdec.vllm import medusa_tree
@@ -649,15 +688,16 @@ def test_tree_servers_refuse_the_sampling_options_a_tree_step_ignores():
     try:
         medusa_tree.check_request(SamplingParams(temperature=0.7, top_k=5, top_p=0.9,
                                                  seed=3, logprobs=2))
-        for options, name in (({"presence_penalty": 0.5}, "presence_penalty"),
-                              ({"repetition_penalty": 1.2}, "repetition_penalty"),
-                              ({"min_p": 0.1}, "min_p"),
-                              ({"logit_bias": {3: 1.0}}, "logit_bias"),
-                              ({"bad_words": ["x"]}, "bad_words"),
-                              ({"min_tokens": 2}, "min_tokens")):
+        medusa_tree.check_request(SamplingParams(presence_penalty=0.5, repetition_penalty=1.2,
+                                                 min_tokens=2, allowed_token_ids=[1, 2],
+                                                 bad_words=["x"]))
+        for options, name in (
+                ({"structured_outputs": StructuredOutputsParams(choice=["a", "b"])},
+                 "structured_outputs"),
+                ({"thinking_token_budget": 4}, "thinking_token_budget")):
             with pytest.raises(ValueError, match=f"the request sets {name}: send it"):
                 medusa_tree.check_request(SamplingParams(**options))
         medusa_tree._served[0] = None  # no tree served: nothing refused
-        medusa_tree.check_request(SamplingParams(presence_penalty=0.5))
+        medusa_tree.check_request(SamplingParams(thinking_token_budget=4))
     finally:
         medusa_tree._served[0] = None

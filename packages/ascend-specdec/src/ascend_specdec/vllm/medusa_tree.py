@@ -64,16 +64,9 @@ def check_config(vllm_config: Any) -> None:
     _served[0] = configured_tree(vllm_config)
 
 
-# What a tree step does not apply: (SamplingParams field, whether a value sets it).
+# What a tree step does not apply: (SamplingParams field, whether a value sets it). vLLM
+# itself refuses min_p and logit_bias with any speculative method.
 _UNSERVED = (
-    ("presence_penalty", lambda v: v != 0.0),
-    ("frequency_penalty", lambda v: v != 0.0),
-    ("repetition_penalty", lambda v: v != 1.0),
-    ("min_p", lambda v: v != 0.0),
-    ("min_tokens", lambda v: v != 0),
-    ("logit_bias", bool),
-    ("allowed_token_ids", lambda v: v is not None),
-    ("bad_words", bool),
     ("structured_outputs", lambda v: v is not None),
     ("thinking_token_budget", lambda v: v is not None),
     ("logprob_token_ids", lambda v: v is not None),
@@ -88,5 +81,6 @@ def check_request(params: Any) -> None:
     if given:
         raise ValueError(
             f"this server verifies Medusa trees (medusa_tree_config), which apply "
-            f"temperature, top_k, top_p, seed and logprobs only; the request sets "
+            f"temperature, top_k, top_p, seed, logprobs, penalties, min_tokens, "
+            f"allowed_token_ids and bad_words only; the request sets "
             f"{', '.join(given)}: send it without them, or serve without medusa_tree_config")

@@ -2,7 +2,8 @@
 
 A subclass of vLLM's ``RejectionSampler`` with the same call and output: the runner's
 sampler still draws the bonus tokens and vLLM's logits processors (bad words, min tokens,
-allowed ids, thinking budget) and logprobs code run as before, while penalties,
+allowed ids, thinking budget) and logprobs code run as before (for Medusa trees, on each
+row with its own path's history), while penalties,
 temperature, top-k / top-p and the verification itself (greedy and random, recovered
 tokens) run on ascend-kernels' ops through :mod:`ascend_specdec.rejection`.
 ``parse_output`` is vLLM's: the output layout is the same.
@@ -15,6 +16,7 @@ from dataclasses import replace
 import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.logits_processor import MinTokensLogitsProcessor
+from vllm.v1.sample.ops.bad_words import apply_bad_words_with_drafts
 from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN, RejectionSampler
 
 from ascend_kernels.sampling import apply_penalties
@@ -117,18 +119,25 @@ class AscendRejectionSampler(RejectionSampler):
     def _verify_tree(self, metadata, logits, sampling_metadata) -> SamplerOutput:
         """Verify each request's tree prefix (``ascend_specdec.medusa.tree``): request ``r``
         has ``1 + m_r`` logits rows, its root's and its nodes'. Temperature, top-k, top-p
-        and logprobs apply; the platform refuses the other sampling options at admission
-        while a tree is served (``ascend_specdec.vllm.medusa_tree``)."""
+        and logprobs apply, and penalties, allowed token ids, bad words and min tokens with
+        each row's own history (``_process_tree_rows``); the platform refuses the other
+        sampling options at admission while a tree is served
+        (``ascend_specdec.vllm.medusa_tree``)."""
         tree = self.tree
         counts = list(metadata.num_draft_tokens)
         cu_rows = torch.cumsum(torch.tensor([m + 1 for m in counts]), 0, dtype=torch.int32)
         starts = [0, *cu_rows.tolist()]
         drafts = metadata.draft_token_ids.tolist()
-        greedy = None if sampling_metadata.all_random else logits.argmax(dim=-1).tolist()
+        processed = logits
+        if self._changes_rows(sampling_metadata):
+            processed = self._process_tree_rows(logits.to(torch.float32, copy=True),
+                                                sampling_metadata, counts, drafts)
+        greedy = None if sampling_metadata.all_random else processed.argmax(dim=-1).tolist()
         target = probs = None
         if not sampling_metadata.all_greedy:
             target = apply_sampling_constraints(
-                logits.to(torch.float32), cu_rows.to(logits.device),
+                processed.to(torch.float32, copy=processed is logits),
+                cu_rows.to(logits.device),
                 sampling_metadata.temperature, sampling_metadata.top_k,
                 sampling_metadata.top_p, backend=self.backend)
             probs = target.softmax(dim=-1, dtype=torch.float32).cpu()
@@ -156,8 +165,9 @@ class AscendRejectionSampler(RejectionSampler):
         out = out.to(logits.device)
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:
-            source = (target if self.is_processed_logprobs_mode and target is not None
-                      else logits.to(torch.float32))
+            source = logits.to(torch.float32)
+            if self.is_processed_logprobs_mode:
+                source = processed.to(torch.float32) if target is None else target
             chosen = source[rows.flatten().to(logits.device)]
             if not self.is_logits_logprobs_mode:
                 chosen = self.sampler.compute_logprobs(chosen)
@@ -165,6 +175,57 @@ class AscendRejectionSampler(RejectionSampler):
             logprobs_tensors = self.sampler.gather_logprobs(
                 chosen, sampling_metadata.max_num_logprobs, tokens)
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs_tensors)
+
+    def _process_tree_rows(self, logits, sampling_metadata, counts, drafts) -> torch.Tensor:
+        """vLLM's per-row processing of draft rows (``apply_logits_processors``) for a tree
+        step's rows, in place: request ``r``'s root row, then a row per node, each with its
+        own history, the request's output so far and then the drafts on the path from the
+        root to that row's node (siblings' tokens are not in it). Min tokens masks the stop
+        tokens of the rows whose next token would come before the minimum: those of a depth
+        below it (the root's depth is 0)."""
+        tree, metadata = self.tree, sampling_metadata
+        outputs = metadata.output_token_ids
+        histories, owners, depths, first = [], [], [], 0
+        for r, m in enumerate(counts):
+            own, done = drafts[first:first + m], list(outputs[r]) if outputs else []
+            first += m
+            histories.append(done)
+            for node in range(m):
+                path = accepted_path_nodes(tree, node + 1)
+                histories.append(done + [own[n] for n in path])
+            owners += [r] * (m + 1)
+            depths += [0, *tree.depths[:m]]
+        rows = torch.tensor(owners, device=logits.device)
+        logits = self.apply_penalties(logits, metadata, None, rows, histories)
+        if metadata.allowed_token_ids_mask is not None:
+            logits.masked_fill_(metadata.allowed_token_ids_mask[rows], float("-inf"))
+        if metadata.bad_words_token_ids:
+            apply_bad_words_with_drafts(logits, metadata.bad_words_token_ids, histories,
+                                        [m + 1 for m in counts])
+        for processor in metadata.logitsprocs.non_argmax_invariant:
+            if not isinstance(processor, MinTokensLogitsProcessor):
+                continue
+            for r, (minimum, done, stops, _) in processor.min_toks.items():
+                masked = [row for row, (owner, depth) in enumerate(zip(owners, depths, strict=True))
+                          if owner == r and depth < minimum - len(done)]
+                if masked and stops:
+                    logits[torch.tensor(masked).unsqueeze(1),
+                           torch.tensor(sorted(stops)).unsqueeze(0)] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _changes_rows(metadata) -> bool:
+        """Whether anything of vLLM's ``apply_logits_processors`` (0.32) changes draft rows
+        in this step: penalties, allowed token ids, bad words, min tokens, a thinking
+        budget."""
+        if (not metadata.no_penalties or metadata.allowed_token_ids_mask is not None
+                or metadata.bad_words_token_ids):
+            return True
+        if any(isinstance(processor, MinTokensLogitsProcessor) and processor.min_toks
+               for processor in metadata.logitsprocs.non_argmax_invariant):
+            return True
+        holder = getattr(metadata, "thinking_budget_state_holder", None)
+        return holder is not None and holder.has_tracked_requests()
 
     def _verifies_untouched_rows(self, logits, sampling_metadata, wants_logprobs) -> bool:
         """Whether the draft rows can be verified where they lie: every request greedy or
@@ -176,14 +237,7 @@ class AscendRejectionSampler(RejectionSampler):
                 or metadata.top_p is not None or wants_logprobs or self.from_logits is False
                 or not verifies_from_logits(logits.device, self.backend)):
             return False
-        if (not metadata.no_penalties or metadata.allowed_token_ids_mask is not None
-                or metadata.bad_words_token_ids):
-            return False
-        if any(isinstance(processor, MinTokensLogitsProcessor) and processor.min_toks
-               for processor in metadata.logitsprocs.non_argmax_invariant):
-            return False
-        holder = getattr(metadata, "thinking_budget_state_holder", None)
-        return holder is None or not holder.has_tracked_requests()
+        return not self._changes_rows(metadata)
 
     @staticmethod
     def apply_penalties(logits, sampling_metadata, metadata, repeat_indices,
