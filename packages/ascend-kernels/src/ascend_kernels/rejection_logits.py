@@ -12,9 +12,10 @@ target as the outcome allows:
   cache, with the temperature applied on the way when the caller has not applied it;
 - at a rejection the residual ``max(p - q, 0)`` is built from those rows while they are
   still in cache (in place for the whole chunk when most of it was rejected, from a copy of
-  the rejected rows otherwise), and its token drawn by inverse CDF from one uniform per request (block
-  sums, then a running sum inside one block, and binary searches), instead of ``[B, V]``
-  exponential noise, which costs more to draw on a CPU than the target costs to read.
+  the rejected rows otherwise), and its token drawn by inverse CDF from one uniform per
+  request (block sums, then a running sum inside one block, and binary searches), instead
+  of ``[B, V]`` exponential noise, which costs more to draw on a CPU than the target costs
+  to read.
 
 Both ways draw exact samples of the same distributions; the tokens differ for the same
 seed, because the draws are different. Randomness is still supplied by the caller:
