@@ -115,9 +115,6 @@ def test_node_rows_attend_to_the_context_and_their_ancestors(isa, dtype, block_s
     # The step: one plain decode request (2 tokens), then the tree request.
     start = 2
     query = cache.randn(start + 1 + m, cache.heads, cache.head_size)
-    step_keys = torch.cat([cache.randn(start, cache.kv_heads, cache.head_size), keys[root:]])
-    step_values = torch.cat([cache.randn(start, cache.kv_heads, cache.head_size),
-                             values[root:]])
     step = tv.plan_step(Tree, [0, m], [0, start, start + 1 + m], [7, root])
     assert [(r.index, r.query_start, r.root_position) for r in step.requests] == [
         (1, start, root)]
@@ -125,8 +122,7 @@ def test_node_rows_attend_to_the_context_and_their_ancestors(isa, dtype, block_s
                                slot_mapping=torch.cat([torch.zeros(start, dtype=torch.long),
                                                        cache.slots(range(root, root + 1 + m))]))
     output = torch.zeros(start + 1 + m, cache.heads * cache.head_size, dtype=dtype)
-    tv.attend_nodes(step, cache.impl, cache.layer, query, step_keys, step_values,
-                    cache.kv_cache, metadata, output)
+    tv.attend_nodes(step, cache.impl, cache.layer, query, cache.kv_cache, metadata, output)
     allowed = torch.cat([torch.ones(m, root, dtype=torch.bool), Tree.ancestor_mask(m)[1:]], 1)
     expected = masked_attention(query[start + 1:], keys, values, allowed, cache.impl.scale)
     got = output[start + 1:].view(m, cache.heads, cache.head_size).float()
@@ -167,8 +163,7 @@ def test_requests_of_different_sizes_are_recomputed_together(isa, dtype, block_s
     assert [r.index for r in step.requests] == [0, 2]
     metadata = SimpleNamespace(block_table=tables, slot_mapping=slots)
     output = torch.zeros(12, cache.heads * cache.head_size, dtype=dtype)
-    tv.attend_nodes(step, cache.impl, cache.layer, query, step_keys, step_values,
-                    cache.kv_cache, metadata, output)
+    tv.attend_nodes(step, cache.impl, cache.layer, query, cache.kv_cache, metadata, output)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for r in (0, 2):
         root, m, start = roots[r], nodes[r], starts[r]

@@ -45,7 +45,6 @@ class TreeRequest:
         return self.mask.shape[0] - 1
 
 
-
 @dataclass
 class _LayerNodes:
     """One attention layer's nodes of a step, kept for ``compact``: the layer, its cache,
@@ -259,8 +258,7 @@ def install(attention_layers: dict[str, Any], *, recompute: bool,
             if step is not None and attn_metadata is not None:
                 step.keep(_impl, layer, kv_cache, key, value, attn_metadata.slot_mapping)
                 if recompute:
-                    attend_nodes(step, _impl, layer, query, key, value, kv_cache,
-                                 attn_metadata, output)
+                    attend_nodes(step, _impl, layer, query, kv_cache, attn_metadata, output)
             return result
 
         impl.forward = forward
@@ -278,7 +276,7 @@ class _NodePlan:
     table: torch.Tensor  # [blocks] every request's blocks, one request after another
     keys: torch.Tensor  # [R, L] each key's token in them (padding repeats the last key)
     queries: torch.Tensor  # [R, M] the query row of each node (padding repeats the last)
-    allowed: torch.Tensor  # [R, 1, M, L] the keys each node attends to
+    mask: torch.Tensor  # [R, 1, M, L] 0 on the keys each node attends to, -inf elsewhere
     real: torch.Tensor  # [nodes] the real (not padding) entries of the flattened [R, M]
     rows: torch.Tensor  # [nodes] their query rows
 
@@ -303,17 +301,17 @@ class _NodePlan:
         real = torch.cat([i * width + torch.arange(r.num_nodes)
                           for i, r in enumerate(requests)])
         queries = torch.stack(queries)
-        return cls(torch.cat(tables).long(), torch.stack(keys), queries,
-                   allowed.unsqueeze(1), real, queries.flatten()[real])
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        return cls(torch.cat(tables).long(), torch.stack(keys), queries, mask.unsqueeze(1),
+                   real, queries.flatten()[real])
 
 
 def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
-                 key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 attn_metadata: Any, output: torch.Tensor) -> None:
+                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor) -> None:
     """Recompute the node rows of every tree request in ``output`` (vLLM's CPU attention
     and cache layout), in float32, as the kernel accumulates: all requests in one masked
     attention, over keys and values read back from the cache, where vLLM's kernel has
-    just written the step's (``key`` and ``value`` are those)."""
+    just written the step's."""
     heads, head_size = query.shape[1], query.shape[2]
     block_size = kv_cache.shape[2]
     where = (id(attn_metadata), block_size)
@@ -325,7 +323,7 @@ def attend_nodes(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
                                               torch.float32))
     queries = query[plan.queries].float().transpose(1, 2)  # [R, heads, M, head]
     attended = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=plan.allowed, scale=impl.scale,
+        queries, keys, values, attn_mask=plan.mask, scale=impl.scale,
         enable_gqa=heads != keys.shape[1])
     nodes = attended.transpose(1, 2).reshape(-1, heads, head_size)[plan.real]
     output.view(output.shape[0], heads, head_size)[plan.rows] = nodes.to(output.dtype)
@@ -345,10 +343,10 @@ def compact(step: TreeStep, accepted: Sequence[Sequence[int]]) -> int:
         first += request.num_nodes
     if not sources:
         return 0
+    source, target = torch.tensor(sources), torch.tensor(targets)
     for kept in step.layers:
-        source = torch.tensor(sources, device=kept.keys.device)
-        target = torch.tensor(targets, device=kept.slots.device)
-        kept.impl.do_kv_cache_update(kept.layer, kept.keys.index_select(0, source),
-                                     kept.values.index_select(0, source), kept.kv_cache,
-                                     kept.slots.index_select(0, target))
+        rows = source.to(kept.keys.device)
+        kept.impl.do_kv_cache_update(kept.layer, kept.keys.index_select(0, rows),
+                                     kept.values.index_select(0, rows), kept.kv_cache,
+                                     kept.slots.index_select(0, target.to(kept.slots.device)))
     return len(sources)
