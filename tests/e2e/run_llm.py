@@ -154,9 +154,20 @@ def lora_requests(lora: dict | None) -> list | None:
     return [made[name] if name else None for name in lora["per_prompt"]]
 
 
+def sampling_params(options: dict):
+    from vllm import SamplingParams
+
+    options = dict(options)
+    if "structured_outputs" in options:  # e.g. {"choice": ["yes", "no"]}
+        from vllm.sampling_params import StructuredOutputsParams
+
+        options["structured_outputs"] = StructuredOutputsParams(**options["structured_outputs"])
+    return SamplingParams(**options)
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.platforms import current_platform
 
     llm_kwargs = dict(dtype="float32", max_model_len=512, enforce_eager=True,
@@ -166,14 +177,13 @@ def main() -> None:
     if "score" in args:
         print("RESULT " + json.dumps(score(llm, args["score"])), flush=True)
         return
-    # "sampling" overrides these SamplingParams (e.g. {"temperature": 0.8, "seed": 7}).
-    sampling = dict(args.get("sampling", {}))
-    if "structured_outputs" in sampling:  # e.g. {"choice": ["yes", "no"]}
-        from vllm.sampling_params import StructuredOutputsParams
-
-        sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
-    params = SamplingParams(**{"temperature": 0.0, "max_tokens": args.get("max_tokens", 16),
-                               "ignore_eos": True, **sampling})
+    # "sampling" overrides these SamplingParams (e.g. {"temperature": 0.8, "seed": 7}), and
+    # "per_prompt_sampling" (a dict or None per prompt) overrides "sampling" prompt by prompt.
+    sampling = args.get("sampling", {})
+    per_prompt = args.get("per_prompt_sampling") or [None] * len(args["prompts"])
+    params = [sampling_params({"temperature": 0.0, "max_tokens": args.get("max_tokens", 16),
+                               "ignore_eos": True, **sampling, **(own or {})})
+              for own in per_prompt]
     outputs = llm.generate(args["prompts"], params, use_tqdm=False,
                            lora_request=lora_requests(args.get("lora")))
     result = {
@@ -183,7 +193,7 @@ def main() -> None:
         "prompt_token_ids": [list(out.prompt_token_ids) for out in outputs],
         "workers": llm.collective_rpc(probe_worker),
     }
-    if params.logprobs:
+    if params[0].logprobs:
         # Per prompt, per generated position: {token id: logprob} of the top candidates.
         result["logprobs"] = [[{str(token): entry.logprob for token, entry in position.items()}
                                for position in out.outputs[0].logprobs] for out in outputs]

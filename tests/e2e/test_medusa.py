@@ -10,6 +10,7 @@ walk that heads can learn several steps ahead, which is what acceptance needs.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -235,23 +236,31 @@ def test_the_trainers_tree_serves_its_estimate_and_beats_the_chain(base_dir, hea
 # Options a tree step applies per row with the row's own path as history.
 ROW_OPTIONS = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.2,
                "bad_words": ["the"], "min_tokens": 24, "stop_token_ids": [13]}
+# Grammars a tree step masks per row with the row's own path (prompts 4 and 7); the other
+# prompts take ROW_OPTIONS.
+GRAMMARS = {4: r"(import [a-z_]{1,12}\n){3}[a-z_ =().,\n]{0,200}",
+            7: r"\n    [a-z_]{1,12}\([a-z_ =+*/(),0-9]{0,200}"}
 
 
-def test_tree_steps_apply_penalties_bad_words_and_min_tokens_as_no_speculation(base_dir,
-                                                                               heads_dir):
-    """Greedy requests with penalties, a bad word and min_tokens before a stop token: the
-    tree verifies each node with its own path as history, so the output equals no
-    speculation's with the same options."""
-    plain = run_vllm({"model": base_dir, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                      "sampling": ROW_OPTIONS}, HOST)
-    tree = run_vllm({"model": base_dir, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                     "sampling": ROW_OPTIONS,
-                     "llm": {"disable_log_stats": False,
-                             "speculative_config": medusa(heads_dir, k=len(TREE)),
-                             "additional_config": {**FIXED_DRAFT_LENGTH,
-                                                   "medusa_tree_config": {"paths": TREE}}}},
+def test_tree_steps_apply_penalties_bad_words_min_tokens_and_grammars_as_no_speculation(
+        base_dir, heads_dir):
+    """Greedy requests with penalties, a bad word and min_tokens before a stop token, and
+    requests held to a regular expression: the tree verifies each node with its own path as
+    history and grammar state, so the output equals no speculation's with the same
+    options."""
+    per_prompt = [{"structured_outputs": {"regex": GRAMMARS[i]}} if i in GRAMMARS
+                  else ROW_OPTIONS for i in range(len(PROMPTS))]
+    run = {"model": base_dir, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+           "per_prompt_sampling": per_prompt}
+    plain = run_vllm(run, HOST)
+    tree = run_vllm({**run, "llm": {"disable_log_stats": False,
+                                    "speculative_config": medusa(heads_dir, k=len(TREE)),
+                                    "additional_config": {**FIXED_DRAFT_LENGTH,
+                                                          "medusa_tree_config": {"paths": TREE}}}},
                     HOST)
     assert tree["token_ids"] == plain["token_ids"]
+    for i, pattern in GRAMMARS.items():
+        assert re.match(pattern, tree["texts"][i]), (i, tree["texts"][i])
     assert acceptance_length(tree) > 1.2  # trees were verified, not bypassed
 
 
@@ -268,10 +277,10 @@ def test_bad_trees_and_unserved_sampling_options_are_refused(base_dir, heads_dir
                                   "additional_config": {"medusa_tree_config": {
                                       "paths": [[0]], "auto": True}}}}, HOST)
     assert "give paths or auto, not both" in both
-    # Admission: a request with structured output is refused with what to do.
+    # Admission: a request asking for the logprobs of given tokens is refused with what to do.
     penalty = start_failure({"model": base_dir, "prompts": ["x"],
-                             "sampling": {"structured_outputs": {"choice": ["yes", "no"]}},
+                             "sampling": {"logprob_token_ids": [5, 6]},
                              "llm": {"speculative_config": medusa(heads_dir, k=len(TREE)),
                                      "additional_config": {"medusa_tree_config": {
                                          "paths": TREE}}}}, HOST)
-    assert "the request sets structured_outputs: send it without them" in penalty
+    assert "the request sets logprob_token_ids: send it without them" in penalty

@@ -229,3 +229,62 @@ def test_path_frequencies_choose_trees_and_count_accepted_tokens():
         choose_tree(path_frequencies(ranks), 40, num_heads=3)
     # Paths deeper than the served heads are left out.
     assert choose_tree(path_frequencies(ranks), 2, num_heads=1).paths == ((0,), (1,))
+
+
+class RisingGrammar:
+    """A grammar of tokens that rise by 1 or 2; its state is the last token, which
+    ``fill_bitmask`` writes as the row (so a test reads back the state each row was
+    masked from)."""
+
+    def __init__(self, last: int, end: int = 99) -> None:
+        self.stack, self.end = [last], end
+
+    def validate_tokens(self, tokens):
+        taken, last = [], self.stack[-1]
+        for token in tokens:
+            if token - last not in (1, 2) or last == self.end:
+                break
+            taken.append(token)
+            last = token
+        return taken
+
+    def accept_tokens(self, req_id, tokens):
+        assert self.validate_tokens(tokens) == list(tokens)
+        self.stack += tokens
+        return True
+
+    def rollback(self, n):
+        del self.stack[len(self.stack) - n:]
+
+    def is_terminated(self):
+        return self.stack[-1] == self.end
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = self.stack[-1]
+
+
+def test_tree_grammar_masks_each_node_row_after_its_own_path():
+    from types import SimpleNamespace
+
+    from ascend_specdec.vllm.medusa_tree import TreeGrammar
+
+    grammars = {"a": RisingGrammar(10), "b": RisingGrammar(5), "c": RisingGrammar(40, end=41)}
+    requests = {r: SimpleNamespace(structured_output_request=SimpleNamespace(grammar=g))
+                for r, g in grammars.items()}
+    backend = SimpleNamespace(allocate_token_bitmask=lambda n: torch.zeros(n, 1, dtype=torch.int32))
+    manager = SimpleNamespace(backend=backend, accept_tokens=lambda *a: "the manager's")
+    grammar = TreeGrammar(manager, tree([[0], [1], [0, 0], [0, 1], [1, 0]], heads=2))
+    # Nodes (parents): 0 (root), 1 (root), 2 (0), 3 (0), 4 (1). "a" drafts all five, the
+    # last one breaking its grammar after node 1's 12; "b" drafts none; "c" three, its
+    # grammar ending at 41 (node 0, and node 2 below it, whose own 43 is never taken).
+    drafts = {"a": [11, 12, 12, 13, 20], "c": [41, 42, 43]}
+    bitmask = grammar.grammar_bitmask(requests, ["a", "b", "c"], drafts)
+    assert bitmask[:, 0].tolist() == [
+        10, 11, 12, 12, 13, 12,  # a: root, then each node's path (11, 12, 11-12, 11-13, 12-)
+        5,  # b: its one row
+        40, -1, 42, -1]  # c: root, node 0 (ended: every token allowed), node 1, node 2
+    assert all(g.stack == [g.stack[0]] for g in grammars.values())  # every state rolled back
+    # A tree keeps every node (vLLM cuts a chain at the first the grammar refuses).
+    assert grammar.validate_tokens(requests["a"], [11, 20, 12]) == [11, 20, 12]
+    assert grammar.accept_tokens() == "the manager's"
+    assert grammar.grammar_bitmask(requests, [], drafts) is None

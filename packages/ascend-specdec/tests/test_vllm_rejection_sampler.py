@@ -684,20 +684,53 @@ def test_tree_servers_refuse_the_sampling_options_a_tree_step_ignores():
     from ascend_specdec.medusa.tree import parse_tree
     from ascend_specdec.vllm import medusa_tree
 
+    grammar = {"structured_outputs": StructuredOutputsParams(choice=["a", "b"])}
     medusa_tree._served[0] = parse_tree([[0]], num_heads=1, num_nodes=1)
     try:
-        medusa_tree.check_request(SamplingParams(temperature=0.7, top_k=5, top_p=0.9,
-                                                 seed=3, logprobs=2))
-        medusa_tree.check_request(SamplingParams(presence_penalty=0.5, repetition_penalty=1.2,
-                                                 min_tokens=2, allowed_token_ids=[1, 2],
-                                                 bad_words=["x"]))
-        for options, name in (
-                ({"structured_outputs": StructuredOutputsParams(choice=["a", "b"])},
-                 "structured_outputs"),
-                ({"thinking_token_budget": 4}, "thinking_token_budget")):
-            with pytest.raises(ValueError, match=f"the request sets {name}: send it"):
-                medusa_tree.check_request(SamplingParams(**options))
+        for served_grammar in (True, False):
+            medusa_tree._grammar[0] = served_grammar
+            medusa_tree.check_request(SamplingParams(temperature=0.7, top_k=5, top_p=0.9,
+                                                     seed=3, logprobs=2))
+            medusa_tree.check_request(SamplingParams(presence_penalty=0.5,
+                                                     repetition_penalty=1.2, min_tokens=2,
+                                                     allowed_token_ids=[1, 2], bad_words=["x"]))
+            refused = [({"thinking_token_budget": 4}, "thinking_token_budget"),
+                       ({"logprob_token_ids": [1]}, "logprob_token_ids")]
+            if served_grammar:  # the scheduler masks each tree row
+                medusa_tree.check_request(SamplingParams(**grammar))
+            else:
+                refused.append((grammar, "structured_outputs"))
+            for options, name in refused:
+                with pytest.raises(ValueError, match=f"the request sets {name}: send it"):
+                    medusa_tree.check_request(SamplingParams(**options))
         medusa_tree._served[0] = None  # no tree served: nothing refused
         medusa_tree.check_request(SamplingParams(thinking_token_budget=4))
     finally:
-        medusa_tree._served[0] = None
+        medusa_tree._served[0], medusa_tree._grammar[0] = None, False
+
+
+@pytest.mark.parametrize("reasoning, scheduler_cls, grammar", [
+    (None, None, True),
+    ("deepseek_r1", None, False),  # vLLM finds the end of reasoning along one chain
+    (None, "my.Scheduler", False),  # another scheduler: no tree rows' masks
+])
+def test_tree_servers_mask_grammars_per_row_where_the_scheduler_is_ours(
+        monkeypatch, reasoning, scheduler_cls, grammar):
+    from types import SimpleNamespace
+
+    from ascend_specdec.medusa.tree import parse_tree
+    from ascend_specdec.vllm import medusa_tree
+    from ascend_specdec.vllm.draft_length import SCHEDULER
+
+    monkeypatch.setattr(medusa_tree, "configured_tree",
+                        lambda config: parse_tree([[0]], num_heads=1, num_nodes=1))
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(scheduler_cls=scheduler_cls),
+        structured_outputs_config=SimpleNamespace(reasoning_parser=reasoning))
+    try:
+        medusa_tree.check_config(config)
+        assert medusa_tree._grammar[0] is grammar
+        assert config.scheduler_config.scheduler_cls == (
+            SCHEDULER if grammar else scheduler_cls)
+    finally:
+        medusa_tree._served[0], medusa_tree._grammar[0] = None, False

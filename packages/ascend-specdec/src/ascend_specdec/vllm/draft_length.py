@@ -152,18 +152,30 @@ class AscendAsyncDraftLengthScheduler(DraftLengthMixin, AsyncScheduler):
 
 
 def make_scheduler(*args: Any, vllm_config, **kwargs: Any):
-    """vLLM's ``scheduler_cls``: the synchronous or async variant, as vLLM resolved it; vLLM's
-    own where FULL decode graphs are captured (npu): they are captured for the configured
-    length only, and a batch of another length would run without them."""
+    """vLLM's ``scheduler_cls``: with the controller where it is on, the synchronous or async
+    variant as vLLM resolved it; vLLM's own where it is off or FULL decode graphs are
+    captured (npu: they are captured for the configured length only, and a batch of another
+    length would run without them). A server of Medusa trees gets grammar masks per tree
+    row (``medusa_tree.TreeGrammar``) either way."""
     async_scheduling = vllm_config.scheduler_config.async_scheduling
-    if full_decode_graphs(vllm_config):
+    controlled = controller_wanted(vllm_config)
+    if controlled and full_decode_graphs(vllm_config):
         logger.info("draft length: fixed at %d, the length the FULL decode graphs hold",
                     vllm_config.speculative_config.num_speculative_tokens)
-        cls = AsyncScheduler if async_scheduling else Scheduler
-    else:
+        controlled = False
+    if controlled:
         cls = (AscendAsyncDraftLengthScheduler if async_scheduling
                else AscendDraftLengthScheduler)
-    return cls(*args, vllm_config=vllm_config, **kwargs)
+    else:
+        cls = AsyncScheduler if async_scheduling else Scheduler
+    scheduler = cls(*args, vllm_config=vllm_config, **kwargs)
+    from ascend_specdec.vllm.medusa_tree import TreeGrammar, configured_tree
+
+    tree = configured_tree(vllm_config)
+    if tree is not None:
+        scheduler.structured_output_manager = TreeGrammar(
+            scheduler.structured_output_manager, tree)
+    return scheduler
 
 
 def full_decode_graphs(vllm_config) -> bool:
@@ -199,6 +211,24 @@ def draft_length_bounds(vllm_config) -> tuple[int, int]:
     return min_k, max_k
 
 
+def _why_not_controlled(vllm_config) -> str | None:
+    """Why vLLM's rules keep the draft length fixed although the controller is asked for."""
+    if vllm_config.speculative_config.num_speculative_tokens_per_batch_size:
+        return "speculative_config.num_speculative_tokens_per_batch_size is set"
+    if vllm_config.parallel_config.data_parallel_size > 1:
+        return "data-parallel ranks would choose different lengths"
+    return None
+
+
+def controller_wanted(vllm_config) -> bool:
+    """Whether the draft length is the controller's: speculation configured,
+    ``draft_length_config.dynamic`` on, and none of vLLM's rules against it."""
+    spec = vllm_config.speculative_config
+    return bool(spec is not None and spec.num_speculative_tokens
+                and draft_length_settings(vllm_config).dynamic
+                and _why_not_controlled(vllm_config) is None)
+
+
 def install_draft_length_scheduler(vllm_config) -> bool:
     """Core's config hook: use the controller's scheduler where it applies; whether it did."""
     spec = vllm_config.speculative_config
@@ -209,12 +239,8 @@ def install_draft_length_scheduler(vllm_config) -> bool:
                     spec.num_speculative_tokens)
         return False
     scheduler_config = vllm_config.scheduler_config
-    why_not = None
-    if spec.num_speculative_tokens_per_batch_size:
-        why_not = "speculative_config.num_speculative_tokens_per_batch_size is set"
-    elif vllm_config.parallel_config.data_parallel_size > 1:
-        why_not = "data-parallel ranks would choose different lengths"
-    elif scheduler_config.scheduler_cls not in (None, SCHEDULER):
+    why_not = _why_not_controlled(vllm_config)
+    if why_not is None and scheduler_config.scheduler_cls not in (None, SCHEDULER):
         why_not = f"scheduler_cls is {scheduler_config.scheduler_cls!r}"
     if why_not:
         logger.info("draft length: fixed (vLLM's rules) because %s", why_not)
