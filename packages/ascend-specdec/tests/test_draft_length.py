@@ -37,6 +37,24 @@ def test_no_drafts_when_none_are_accepted():
     assert set(chosen[-20:]) == {0}
 
 
+def test_a_length_recorded_cheaper_than_a_shorter_one_is_judged_at_the_shorter_ones_time():
+    """Noise on a shared machine can record length 2 as cheaper than length 1; judged at its
+    own time it would win (1.45 tokens in 2.4 against 1 in 2.0), judged at length 1's time
+    (3.0) it loses to drafting nothing."""
+    times = {0: 0.020, 1: 0.030, 2: 0.024}
+    controller = DraftLengthController(max_k=2, explore_every=0, calibration_rounds=1)
+    # Every first draft accepted with 0.4, every second one with 0.125 (after the first).
+    results = [("r", 2, 0)] * 60 + [("r", 2, 1)] * 35 + [("r", 2, 2)] * 5
+    controller.observe_verification(results)
+    for _ in range(3):  # calibration: one step of each length
+        k_max, _ = controller.choose(["a", "b"])
+        controller.observe_step(2, k_max, 2 * times[k_max])
+    expected = controller.expected_tokens()
+    assert expected[2] / times[2] > expected[0] / times[0]  # what the old rule saw
+    assert expected[2] / times[1] < expected[0] / times[0]
+    assert controller.choose(["a", "b"])[0] == 0
+
+
 def test_the_length_follows_the_batch_size():
     """Small batches: a step costs the same whatever its length (a device's spare compute),
     so the first draft, accepted half the time, pays; the later ones are never accepted and

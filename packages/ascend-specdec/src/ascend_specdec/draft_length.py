@@ -25,7 +25,9 @@ much as the tokens it would have saved. ``DraftLengthController`` decides online
   found any: n-gram and suffix often find none). Counting tokens per step instead would be
   far noisier: a step's yield swings with the text.
 - **Choice**: the length with the most expected tokens per second of request time in this
-  batch-size range (the shortest one within ``margin`` of it, so noise buys no drafts). Then
+  batch-size range (the shortest one within ``margin`` of it, so noise buys no drafts; a
+  length's time is at least the longest time recorded for a shorter length, since scoring
+  more drafts never takes less time). Then
   each request keeps a draft only while the chance that it and the ones before it are
   accepted is worth its share of the step's extra time at the step's rate, so requests whose
   drafts are rarely accepted draft fewer. ``k_max`` is what the proposer drafts; each
@@ -231,9 +233,13 @@ class DraftLengthController:
             counts = {r: k_max for r in req_ids}
         else:
             expected = self.expected_tokens()
-            rates = {k: expected[k] / seconds
-                     for k in range(self.min_k, self.max_k + 1)
-                     if (seconds := self.times.per_request(len(req_ids), k))}
+            # Scoring more drafts never takes less time: a length recorded as cheaper than a
+            # shorter one (noise on a shared machine) is judged at the shorter one's time.
+            rates, floor = {}, 0.0
+            for k in range(self.min_k, self.max_k + 1):
+                if seconds := self.times.per_request(len(req_ids), k):
+                    floor = max(floor, seconds)
+                    rates[k] = expected[k] / floor
             # The shortest length within ``margin`` of the best: drafting on noise costs.
             best = max(rates.values(), default=0.0)
             k_max = min((k for k, r in rates.items() if r >= best / (1 + self.margin)),
