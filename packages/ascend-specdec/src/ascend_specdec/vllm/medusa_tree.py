@@ -13,7 +13,13 @@ import json
 from typing import Any
 
 from ascend_specdec.medusa.config import MedusaConfigError, MedusaHeadsConfig
-from ascend_specdec.medusa.tree import PATHS_FILE, MedusaTree, choose_tree, parse_tree
+from ascend_specdec.medusa.tree import (
+    PATHS_FILE,
+    MedusaTree,
+    accepted_path_nodes,
+    choose_tree,
+    parse_tree,
+)
 
 # The tree this process serves, set by the config hook (None: none, or chains), and whether
 # its scheduler masks structured output per tree row.
@@ -93,10 +99,8 @@ class TreeGrammar:
 
     def __init__(self, manager: Any, tree: MedusaTree) -> None:
         self._manager = manager
-        paths = []
-        for parent in tree.parents:  # breadth first: a parent's path is known before
-            paths.append([*(paths[parent] if parent >= 0 else []), len(paths)])
-        self._paths = paths
+        # Each node's path, root first (the row of node j is row j + 1).
+        self._paths = [accepted_path_nodes(tree, node + 1) for node in range(tree.num_nodes)]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
