@@ -230,7 +230,11 @@ class Clock:
 def test_lease_lifecycle_claim_release_and_expiry():
     clock = Clock()
     leases = LeaseTable(timeout_s=10, clock=clock)
-    assert leases.claim("r1", [1], "p").status == "pending"  # not registered by the worker yet
+    unknown = leases.claim("r1", [1], "p")  # never prefilled here: refused at once
+    assert unknown.status == "refused" and "no request 'r1' is or was prefilled here" in \
+        unknown.message
+    leases.expect("r1")
+    assert leases.claim("r1", [1], "p").status == "pending"  # still being prefilled here
     leases.add("r1", [1, 2], "p")
     leases.add("r2", [3], "p")
     assert leases.held_blocks() == 3
@@ -247,6 +251,18 @@ def test_lease_lifecycle_claim_release_and_expiry():
     late = leases.claim("r2", [3], "p")
     assert late.status == "refused" and "lease expired after 10 s" in late.message
     assert leases.take_finished() == (set(), set())
+
+
+def test_an_expected_request_that_ends_without_a_lease_is_refused_with_why():
+    leases = LeaseTable(timeout_s=10, clock=Clock())
+    leases.expect("r")
+    leases.drop("r", "the prefill request ended finished_aborted and kept no blocks")
+    refused = leases.claim("r", [0], "p")
+    assert refused.status == "refused" and "finished_aborted" in refused.message
+    leases.drop("other", "never expected: nothing to remember")
+    assert "no request 'other'" in leases.claim("other", [0], "p").message
+    leases.expect("r")  # a late duplicate of the metadata does not revive it
+    assert leases.claim("r", [0], "p").status == "refused"
 
 
 def test_a_claim_renews_the_lease_so_a_read_in_progress_does_not_expire():

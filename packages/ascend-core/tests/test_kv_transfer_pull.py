@@ -50,9 +50,11 @@ class Node:
         for cache in self.caches.values():
             cache.zero_()
 
-    def decode_side(self, timeout_s: float | None = None) -> DecodeSide:
+    def decode_side(self, timeout_s: float | None = None,
+                    pending_timeout_s: float | None = None) -> DecodeSide:
         return DecodeSide(self.engine, self.layout, tp_rank=0, tp_size=1,
-                          timeout_s=timeout_s or self.timeout_s)
+                          timeout_s=timeout_s or self.timeout_s,
+                          pending_timeout_s=pending_timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -115,13 +117,35 @@ def test_a_decode_prefix_hit_pulls_only_the_missing_blocks(prefill, decode):
 
 
 def test_a_claim_that_arrives_before_the_lease_waits_for_it(prefill, decode):
-    timer = threading.Timer(0.3, prefill.leases.add, args=("p-3", [4], PROMPT))
+    # Still being prefilled: the claim waits past the side channel's answer timeout (0.2 s)
+    # for as long as pending_timeout_s allows.
+    prefill.leases.expect("p-3")
+    timer = threading.Timer(0.6, prefill.leases.add, args=("p-3", [4], PROMPT))
     timer.start()
-    decode.decode_side().pull(pull_task("d-3", (0,), remote(prefill, "p-3", [4])))
+    decode.decode_side(timeout_s=0.2, pending_timeout_s=5).pull(
+        pull_task("d-3", (0,), remote(prefill, "p-3", [4])))
     timer.join()
     assert torch.equal(next(iter(decode.caches.values()))[0],
                        next(iter(prefill.caches.values()))[4])
     prefill.leases.take_finished()
+
+
+def test_a_claim_for_a_request_never_prefilled_there_fails_at_once(prefill, decode):
+    started = time.monotonic()
+    with pytest.raises(PullError, match="no request 'p-never' is or was prefilled here"):
+        decode.decode_side(pending_timeout_s=30).pull(
+            pull_task("d-never", (0,), remote(prefill, "p-never", [4])))
+    assert time.monotonic() - started < 5
+    assert untouched(decode)
+
+
+def test_a_claim_still_pending_after_pending_timeout_s_fails(prefill, decode):
+    prefill.leases.expect("p-slow")
+    with pytest.raises(PullError, match="still prefilling request 'p-slow' after 0.5 s"):
+        decode.decode_side(pending_timeout_s=0.5).pull(
+            pull_task("d-slow", (0,), remote(prefill, "p-slow", [4])))
+    assert untouched(decode)
+    prefill.leases.drop("p-slow", "test over")
 
 
 def test_a_release_without_blocks_frees_the_lease(prefill, decode):

@@ -51,6 +51,12 @@ class Blocks:
 @pytest.mark.parametrize("role", ["kv_producer", "kv_both"])
 def test_a_producer_keeps_a_finished_prefills_blocks_and_says_where(role):
     side = scheduler(role)
+    # Scheduled: the workers expect the request (a decode claim for it waits, not fails).
+    for rid in ("r1", "r2"):
+        side.update_state_after_alloc(request(rid, 20, {"do_remote_decode": True}),
+                                      Blocks([7, 8]), 0)
+    side.update_state_after_alloc(request("r3", 20, None), Blocks([9]), 0)
+    assert side.build_connector_meta(STEP).expected == ["r1", "r2"]
     delay, params = side.request_finished(request("r1", 20, {"do_remote_decode": True}), [7, 8])
     assert delay is True
     assert params == {"do_remote_prefill": True, "do_remote_decode": False,
@@ -65,6 +71,10 @@ def test_a_producer_keeps_a_finished_prefills_blocks_and_says_where(role):
     aborted = request("r2", 20, {"do_remote_decode": True},
                       status=RequestStatus.FINISHED_ABORTED)
     assert side.request_finished(aborted, [9]) == (False, None)
+    meta = side.build_connector_meta(STEP)
+    assert meta.dropped == {"r2": "the prefill request ended finished_aborted and kept no "
+                                  "blocks"}
+    assert meta.expected == [] and meta.leases == {}
     # A request without PD parameters is none of the connector's business.
     assert side.request_finished(request("r3", 20, None), [9]) == (False, None)
 

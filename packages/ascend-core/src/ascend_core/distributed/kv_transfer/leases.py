@@ -1,7 +1,9 @@
 """The blocks a prefill node holds for decode nodes, until pulled or expired.
 
-A lease starts when the prefill request finishes (its blocks are kept, not freed).
-A decode node *claims* it before reading (which also renews it, so it cannot expire
+A lease starts when the prefill request finishes (its blocks are kept, not freed). While
+the request is still being prefilled here it is *expected*: a claim for it is answered
+"pending" (the decode node asks again), where a claim for a request this node never
+prefilled, or no longer remembers, is refused at once. A decode node *claims* a lease before reading (which also renews it, so it cannot expire
 mid-read) and *releases* it after. A lease nobody claims within the timeout expires:
 its blocks go back to vLLM and a late claim is refused, so a decode node never reads
 blocks that were handed to another request. A lease remembers a digest of the prompt its
@@ -44,7 +46,7 @@ class _Lease:
 
 @dataclass(frozen=True)
 class Claim:
-    status: str  # "ok", "pending" (not registered yet), "refused"
+    status: str  # "ok", "pending" (still being prefilled here), "refused"
     message: str = ""
 
 
@@ -55,10 +57,24 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
         self._released: set[str] = set()
+        self._expected: set[str] = set()  # being prefilled here, no lease yet
         self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> why
+
+    def expect(self, request_id: str) -> None:
+        """The request is being prefilled here for a decode node."""
+        with self._lock:
+            if request_id not in self._leases and request_id not in self._ended:
+                self._expected.add(request_id)
+
+    def drop(self, request_id: str, why: str) -> None:
+        """An expected request ended without keeping its blocks (aborted, for instance)."""
+        with self._lock:
+            if request_id in self._expected:
+                self._end(request_id, why)
 
     def add(self, request_id: str, block_ids: Sequence[int], prompt: str | None) -> None:
         with self._lock:
+            self._expected.discard(request_id)
             self._leases[request_id] = _Lease(tuple(block_ids),
                                               self._clock() + self.timeout_s, prompt)
 
@@ -68,8 +84,12 @@ class LeaseTable:
             if lease is None or request_id in self._released:
                 why = "released" if request_id in self._released else self._ended.get(
                     request_id)
-                if why is None:
+                if why is None and request_id in self._expected:
                     return Claim("pending")
+                if why is None:
+                    return Claim("refused", f"no request {request_id!r} is or was "
+                                            f"prefilled here for a decode node (or it ended "
+                                            f"too long ago to be remembered)")
                 return Claim("refused", f"the blocks of request {request_id!r} are no "
                                         f"longer held here: {why}")
             if self._clock() > lease.deadline:
@@ -110,6 +130,7 @@ class LeaseTable:
 
     def _end(self, request_id: str, why: str) -> None:
         self._leases.pop(request_id, None)
+        self._expected.discard(request_id)
         self._ended[request_id] = why
         while len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)

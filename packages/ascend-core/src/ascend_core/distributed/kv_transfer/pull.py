@@ -88,12 +88,15 @@ class DecodeSide:
     """Pulls requests' blocks for one decode rank from the prefill ranks that hold them."""
 
     def __init__(self, engine: MooncakeEngine, layout: KVLayout, tp_rank: int, tp_size: int,
-                 timeout_s: float):
+                 timeout_s: float, pending_timeout_s: float | None = None):
         self.engine = engine
         self.layout = layout
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # for each answer of the side channel
+        # How long a claim is asked again while the prefill node answers that it is still
+        # prefilling the request (its lease is registered at its next engine step).
+        self.pending_timeout_s = timeout_s if pending_timeout_s is None else pending_timeout_s
 
     def prefill_ranks(self, remote: RemotePrefill) -> list[int]:
         if remote.tp_size % self.tp_size:
@@ -117,20 +120,20 @@ class DecodeSide:
                                remote.port + rank, err)
 
     def _claim(self, remote: RemotePrefill, rank: int, block_ids: list[int],
-               prompt: str | None, deadline: float) -> dict:
+               prompt: str | None) -> dict:
         where = f"{remote.host}:{remote.port + rank}"
         message = {"op": "claim", "block_ids": block_ids, "prompt": prompt}
+        give_up = time.monotonic() + self.pending_timeout_s
         while True:
             try:
-                reply = self._ask(remote, rank, message,
-                                  max(deadline - time.monotonic(), 0.05))
+                reply = self._ask(remote, rank, message, self.timeout_s)
             except SideChannelError as err:
                 raise PullError(str(err)) from err
             if reply.get("status") != "pending":
                 break
-            if time.monotonic() > deadline:
-                raise PullError(f"the prefill node at {where} holds no blocks for request "
-                                f"{remote.request_id!r} after {self.timeout_s:g} s")
+            if time.monotonic() > give_up:
+                raise PullError(f"the prefill node at {where} was still prefilling request "
+                                f"{remote.request_id!r} after {self.pending_timeout_s:g} s")
             time.sleep(_PENDING_RETRY_S)
         if reply.get("status") != "ok":
             raise PullError(f"the prefill node at {where} refused: {reply.get('message')}")
@@ -148,12 +151,11 @@ class DecodeSide:
                             f"node holds {len(remote.block_ids)}")
         # A local prefix-cache hit leaves only the last blocks to fill.
         remote_ids = list(remote.block_ids[len(remote.block_ids) - len(task.local_block_ids):])
-        deadline = time.monotonic() + self.timeout_s
         claimed: list[int] = []
         try:
             plans = []
             for index, rank in enumerate(ranks):
-                reply = self._claim(remote, rank, remote_ids, task.prompt, deadline)
+                reply = self._claim(remote, rank, remote_ids, task.prompt)
                 claimed.append(rank)
                 try:
                     remote_layout = KVLayout.from_wire(reply["layout"])

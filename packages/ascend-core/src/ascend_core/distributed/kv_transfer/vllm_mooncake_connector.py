@@ -67,6 +67,10 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     pulls: list[PullTask] = field(default_factory=list)  # decode: blocks to fill
     # prefill: request id -> (blocks kept, prompt_digest of the prompt they hold)
     leases: dict[str, tuple[list[int], str | None]] = field(default_factory=dict)
+    # prefill: requests being prefilled for a decode node (a claim for one waits), and
+    # those of them that ended without a lease (request id -> why)
+    expected: list[str] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -178,6 +182,12 @@ class MooncakeConnectorV1(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before the step's forward (vLLM starts async loads after it): a decode node may
+        # already be claiming a lease that this metadata registers.
+        self._worker.register(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker.start(self._get_connector_metadata())
 
@@ -247,6 +257,8 @@ class _SchedulerSide:
         self._parsed: dict[str, Any] = {}  # request id -> RemotePrefill, until allocated
         self._pulls: list[PullTask] = []
         self._leases: dict[str, tuple[list[int], str | None]] = {}
+        self._expected: list[str] = []
+        self._dropped: dict[str, str] = {}
 
     def _remote_prefill(self, request: Request):
         """The request's checked RemotePrefill, or None (then it is computed here)."""
@@ -288,6 +300,10 @@ class _SchedulerSide:
                                  num_external_tokens: int):
         remote = self._remote_prefill(request)
         if remote is None:
+            params = request.kv_transfer_params
+            if params and params.get("do_remote_decode") and \
+                    self.connector.kv_role in PRODUCERS:
+                self._expected.append(request.request_id)
             return
         # Blocks a local prefix-cache hit filled are hashed; the others are to pull.
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
@@ -300,12 +316,13 @@ class _SchedulerSide:
                              ) -> MooncakeConnectorMetadata:
         # Two empty steps in a row: the engine only waits on leases, pulls or free blocks.
         empty = (not scheduler_output.total_num_scheduled_tokens and not self._pulls
-                 and not self._leases)
+                 and not self._leases and not self._dropped)
         if empty and self._last_step_empty:
             time.sleep(self._idle_pause_s)
         self._last_step_empty = empty
-        meta = MooncakeConnectorMetadata(pulls=self._pulls, leases=self._leases)
-        self._pulls, self._leases = [], {}
+        meta = MooncakeConnectorMetadata(pulls=self._pulls, leases=self._leases,
+                                         expected=self._expected, dropped=self._dropped)
+        self._pulls, self._leases, self._expected, self._dropped = [], {}, [], {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]):
@@ -332,6 +349,8 @@ class _SchedulerSide:
             return False, None
         if (request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                    RequestStatus.FINISHED_STOPPED) or not block_ids):
+            self._dropped[request.request_id] = (
+                f"the prefill request ended {request.status.name.lower()} and kept no blocks")
             return False, None
         self._leases[request.request_id] = (list(block_ids),
                                             prompt_digest(request.prompt_token_ids))
@@ -391,16 +410,25 @@ class _WorkerSide:
                                f"{connector.host}:{port}")
             self.server = SideChannelServer(connector.host, port, side.handle)
         if connector.kv_role in CONSUMERS:
+            # A claim the prefill node answers "still prefilling" is asked again for as
+            # long as a lease would be kept there.
             self.decode = DecodeSide(self.engine, layout, self.tp_rank, connector.tp_size,
-                                     connector.options.side_channel_timeout_s)
+                                     connector.options.side_channel_timeout_s,
+                                     pending_timeout_s=connector.options.lease_timeout_s)
         logger.info("MooncakeConnectorV1 (%s, rank %d): %d KV planes of %d blocks registered "
                     "with the transfer engine at %s%s", connector.kv_role, self.tp_rank,
                     len(layout.planes), layout.num_blocks, self.engine.session,
                     f", side channel {self.server.address}" if self.server else "")
 
-    def start(self, meta: MooncakeConnectorMetadata) -> None:
+    def register(self, meta: MooncakeConnectorMetadata) -> None:
+        for request_id in meta.expected:
+            self.leases.expect(request_id)
         for request_id, (block_ids, prompt) in meta.leases.items():
             self.leases.add(request_id, block_ids, prompt)
+        for request_id, why in meta.dropped.items():
+            self.leases.drop(request_id, why)
+
+    def start(self, meta: MooncakeConnectorMetadata) -> None:
         for task in meta.pulls:
             future = self._pool.submit(self._timed_pull, task)
             if task.local_block_ids:
