@@ -3,10 +3,11 @@
 A lease starts when the prefill request finishes (its blocks are kept, not freed). While
 the request is still being prefilled here it is *expected*: a claim for it is answered
 "pending" (the decode node asks again), where a claim for a request this node never
-prefilled, or no longer remembers, is refused at once. A decode node *claims* a lease before reading (which also renews it, so it cannot expire
-mid-read) and *releases* it after. A lease nobody claims within the timeout expires:
-its blocks go back to vLLM and a late claim is refused, so a decode node never reads
-blocks that were handed to another request. A lease remembers a digest of the prompt its
+prefilled, or no longer remembers, is refused at once. A decode node *claims* a lease
+before reading (which also renews it, so it cannot expire mid-read) and *releases* it
+after. A lease nobody claims within the timeout expires: its blocks go back to vLLM and a
+late claim is refused, so a decode node never reads blocks that were handed to another
+request. A lease remembers a digest of the prompt its
 blocks hold (``prompt_digest``); a claim for another prompt is refused, so a decode
 request can only ever read the KV of its own prompt. Thread-safe: the side channel's thread
 claims and releases while the worker's step collects finished leases. No vLLM.
