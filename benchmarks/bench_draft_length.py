@@ -5,16 +5,20 @@ draft length k = 3, and the draft-length controller (ascend-specdec,
 The trained demo model (pycoder-26m) in bf16; methods: n-gram, suffix decoding, the demo's
 Medusa heads, and an EAGLE draft of random weights (a drafter whose drafts are almost never
 accepted: what a wrong or stale draft model looks like to a server). The no-speculation
-server is up throughout; each method's two servers (k = 3, dynamic) are up while that method
-is measured, and the load is taken in turns (none, k=3, dynamic, none, ...), so each round
-of a load level saw the same machine. A round sends N streamed greedy completions of
-held-out prompts at once through the ``openai`` client (N = 1, 4, 16, 64; ``max_tokens``
-128, end of sequence ignored); before the counted rounds each server gets one uncounted
-round at that N (first requests pay one-off costs, and the controller calibrates each
-batch-size range on its first steps there). Per setup and N: output throughput (tokens over
-the round's wall time, median of rounds), time to first token and inter-token latency
-(medians over requests). From vLLM's ``/metrics`` over all rounds: mean acceptance length,
-mean draft length, and for dynamic the lengths it chose (``ascend:spec_decode_draft_length``).
+server is up throughout; each method's two servers (k = 3, dynamic) are up while that
+method is measured, and the load is taken in turns (none, k=3, dynamic, none, ...), so each
+round of a load level saw the same machine. Each round starts once the servers' workers
+sleep: a vLLM worker spins on its queue for ``busy_loop_s`` (1 s) after its engine's last
+step, and without the wait the previous round's server took 0.3-0.5 s of the 2 cores from a
+1 s round of the next one (an ad-hoc /proc look: first tokens 0.6-1 s late in some rounds).
+A round sends N streamed greedy completions of held-out prompts at once through the
+``openai`` client (N = 1, 4, 16, 64; ``max_tokens`` 128, end of sequence ignored); before
+the counted rounds each server gets one uncounted round at that N (first requests pay
+one-off costs, and the controller calibrates each batch-size range on its first steps
+there). Per setup and N: output throughput (tokens over the round's wall time, median of
+rounds), time to first token and inter-token latency (medians over requests). From vLLM's
+``/metrics`` over all rounds: mean acceptance length, mean draft length, and for dynamic
+the lengths it chose (``ascend:spec_decode_draft_length``).
 
 Pass line (issue 14): at every N, dynamic's throughput at least 0.95x the better of no
 speculation and fixed k = 3 for the same method.
@@ -102,16 +106,34 @@ async def one_round(url: str, model: str, prompts: list[str]) -> dict:
             "ttft": [r["ttft"] for r in results], "itl": [r["itl"] for r in results]}
 
 
+def quiet_gap_s() -> float:
+    """How long a vLLM worker spins after its engine's last step (``SpinCondition``'s
+    ``busy_loop_s``), and a little more: a round started sooner shares the cores with it."""
+    import inspect
+
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    busy_loop = inspect.signature(SpinCondition.__init__).parameters.get("busy_loop_s")
+    return (float(busy_loop.default) if busy_loop is not None else 1.0) + 0.5
+
+
 def measure(urls: dict[str, str], model: str, prompts: list[str], rounds: int,
             record: dict, turns: dict) -> None:
     """Every N: one uncounted round per server, then ``rounds`` counted ones in turns;
-    ``record`` by (setup, N), ``turns`` (this method's) by N and setup."""
+    ``record`` by (setup, N), ``turns`` (this method's) by N and setup. Every round starts
+    after :func:`quiet_gap_s`."""
+    gap = quiet_gap_s()
+
+    def run(url: str, n: int) -> dict:
+        time.sleep(gap)
+        return asyncio.run(one_round(url, model, prompts[:n]))
+
     for n in CONCURRENCY:
         for url in urls.values():
-            asyncio.run(one_round(url, model, prompts[:n]))
+            run(url, n)
         for index in range(rounds):
             for name, url in urls.items():
-                result = asyncio.run(one_round(url, model, prompts[:n]))
+                result = run(url, n)
                 record.setdefault((name, n), []).append(result)
                 turns.setdefault(str(n), {}).setdefault(name, []).append(
                     result["tokens"] / result["seconds"])
