@@ -13,8 +13,9 @@ serve`` runs it): no speculation (vLLM's default: async scheduling), no speculat
 controller. The trained demo model pycoder-26m in bf16, eager; a round generates N greedy
 completions of held-out prompts at once (128 tokens each, end of sequence ignored),
 N = 1, 4, 16, 64; throughput = tokens over the round's wall time. Per N each engine gets
-one uncounted round, then ``--rounds`` turns of one round per engine back to back (the
-machine is shared and its speed drifts): the table gives each engine's median and the
+one uncounted round, then ``--rounds`` turns of one round per engine (the machine is
+shared and its speed drifts), each round after ``host_machine.quiet_gap_s()`` (the previous
+engine's worker spinning no more): the table gives each engine's median and the
 median over turns of its ratio to the default engine.
 
     python benchmarks/bench_async_scheduling.py [--rounds 6]
@@ -72,12 +73,15 @@ def measure(rounds: int) -> dict:
                for i in range(max(CONCURRENCY))]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     rates: dict = {setup: {} for setup in SETUPS}
+    gap = host_machine.quiet_gap_s()  # the previous round's worker sleeps again
     for n in CONCURRENCY:
         for setup, llm in engines.items():
+            time.sleep(gap)
             llm.generate(prompts[:n], params, use_tqdm=False)  # uncounted
             rates[setup][str(n)] = []
         for _ in range(rounds):
             for setup, llm in engines.items():
+                time.sleep(gap)
                 start = time.perf_counter()
                 outputs = llm.generate(prompts[:n], params, use_tqdm=False)
                 seconds = time.perf_counter() - start

@@ -106,23 +106,12 @@ async def one_round(url: str, model: str, prompts: list[str]) -> dict:
             "ttft": [r["ttft"] for r in results], "itl": [r["itl"] for r in results]}
 
 
-def quiet_gap_s() -> float:
-    """How long a vLLM worker spins after its engine's last step (``SpinCondition``'s
-    ``busy_loop_s``), and a little more: a round started sooner shares the cores with it."""
-    import inspect
-
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-    busy_loop = inspect.signature(SpinCondition.__init__).parameters.get("busy_loop_s")
-    return (float(busy_loop.default) if busy_loop is not None else 1.0) + 0.5
-
-
 def measure(urls: dict[str, str], model: str, prompts: list[str], rounds: int,
             record: dict, turns: dict) -> None:
     """Every N: one uncounted round per server, then ``rounds`` counted ones in turns;
     ``record`` by (setup, N), ``turns`` (this method's) by N and setup. Every round starts
-    after :func:`quiet_gap_s`."""
-    gap = quiet_gap_s()
+    after ``host_machine.quiet_gap_s()``."""
+    gap = host_machine.quiet_gap_s()
 
     def run(url: str, n: int) -> dict:
         time.sleep(gap)

@@ -1,4 +1,5 @@
-"""The host machine's description that every CPU benchmark stores with its results."""
+"""The host machine's description that every CPU benchmark stores with its results, and how
+long a benchmark that takes turns between vLLM servers waits between rounds."""
 
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ def describe() -> str:
 
     return (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+
+
+def quiet_gap_s() -> float:
+    """How long a vLLM worker spins on its queue after its engine's last step
+    (``SpinCondition``'s ``busy_loop_s``), and a little more. A benchmark taking turns
+    between servers (or engines in their own processes) waits this long before each round:
+    started sooner, a round shares the cores with the previous one's still spinning worker
+    (an ad-hoc /proc look on 2 cores: 0.3-0.5 s of CPU taken from a 1 s round)."""
+    import inspect
+
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    busy_loop = inspect.signature(SpinCondition.__init__).parameters.get("busy_loop_s")
+    return (float(busy_loop.default) if busy_loop is not None else 1.0) + 0.5
