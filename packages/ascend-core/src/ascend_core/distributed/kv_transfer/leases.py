@@ -7,10 +7,10 @@ prefilled, or no longer remembers, is refused at once. A decode node *claims* a 
 before reading (which also renews it, so it cannot expire mid-read) and *releases* it
 after. A lease nobody claims within the timeout expires: its blocks go back to vLLM and a
 late claim is refused, so a decode node never reads blocks that were handed to another
-request. A lease remembers a digest of the prompt its
-blocks hold (``prompt_digest``); a claim for another prompt is refused, so a decode
-request can only ever read the KV of its own prompt. Thread-safe: the side channel's thread
-claims and releases while the worker's step collects finished leases. No vLLM.
+request. A lease remembers a digest of the prompt its blocks hold (``prompt_digest``); a
+claim for another prompt is refused, so a decode request can only ever read the KV of its
+own prompt. Thread-safe: the side channel's thread claims and releases while the worker's
+step collects finished leases. No vLLM.
 """
 
 from __future__ import annotations
