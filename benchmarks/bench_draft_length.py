@@ -241,8 +241,9 @@ def markdown(results: dict) -> str:
         f"prompts at once through the `openai` client ({load['max_tokens']} tokens each); "
         f"{load['rounds']} counted rounds per setup and N (after one uncounted), taken in turns "
         "(no speculation, k=3, dynamic) with the no-speculation server and the method's two "
-        "up on the same cores. Throughput: median of rounds; TTFT and ITL: medians over "
-        "requests.",
+        "up on the same cores, each round started 1.5 s after the one before (when that "
+        "server's worker has stopped spinning). Throughput: median of rounds; TTFT and ITL: "
+        "medians over requests.",
         "",
         "| setup | " + " | ".join(f"N={n} tok/s" for n in load["concurrency"])
         + " | " + " | ".join(f"N={n} TTFT / ITL ms" for n in load["concurrency"]) + " |",
