@@ -121,9 +121,16 @@ def test_only_steps_that_verify_and_draft_one_length_for_every_request_are_timed
             self.vllm_config = vllm_config
             self.requests = {r: SimpleNamespace(num_computed_tokens=0, num_tokens_with_spec=1,
                                                 sampling_params=None) for r in ("a", "b")}
+            self.requests["c"] = SimpleNamespace(num_computed_tokens=0, num_tokens_with_spec=40,
+                                                 sampling_params=None)
 
         def schedule(self):
-            output = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1})
+            # The third step also holds the last 40-token chunk of a prompt ("c" samples
+            # its first token then, as a decoding request does).
+            prompt = {"c": 40} if len(timed_steps) == 2 else {}
+            output = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1, **prompt},
+                                     scheduled_spec_decode_tokens={})
+            timed_steps.append(output)
             self._update_after_schedule(output)
             return output
 
@@ -136,21 +143,24 @@ def test_only_steps_that_verify_and_draft_one_length_for_every_request_are_timed
     class Scheduler(DraftLengthMixin, Base):
         pass
 
+    timed_steps = []
     scheduler = Scheduler(config())
-    script = iter([(2, {"a": 2, "b": 2}), (2, {"a": 2, "b": 2}), (2, {"a": 2, "b": 0}),
-                   (2, {"a": 2, "b": 2}), (3, {"a": 3, "b": 3}), (3, {"a": 3, "b": 3})])
+    script = iter([(2, {"a": 2, "b": 2}), (2, {"a": 2, "b": 2}), (2, {"a": 2, "b": 2}),
+                   (2, {"a": 2, "b": 0}), (2, {"a": 2, "b": 2}), (3, {"a": 3, "b": 3}),
+                   (3, {"a": 3, "b": 3})])
     timed = []
     scheduler.draft_controller.choose = lambda req_ids, full=(): next(script)
     scheduler.draft_controller.observe_step = lambda n, k, seconds: timed.append((n, k))
     runner_output = SimpleNamespace(sampled_token_ids=[[1], [1]],
                                     req_id_to_index={"a": 0, "b": 1})
-    for step in range(6):
+    for step in range(7):
         output = scheduler.schedule()
-        output.scheduled_spec_decode_tokens, output.num_invalid_spec_tokens = {}, None
+        output.num_invalid_spec_tokens = None
         output.finished_req_ids = set()
         scheduler.update_from_output(output, runner_output)
-        assert output.num_spec_tokens_to_schedule == (2 if step < 4 else 3)
-    # Timed: the second step (after a full 2) and the last (after a full 3); not the
-    # trimmed one, the one after it, nor the first 3 (it verified 2s).
+        assert output.num_spec_tokens_to_schedule == (2 if step < 5 else 3)
+    # Timed: the second step (after a full 2) and the last (after a full 3); not the one
+    # with a prompt's last chunk, the trimmed one, the one after it, nor the first 3 (it
+    # verified 2s).
     assert timed == [(2, 2), (2, 3)]
     assert not scheduler._timed_steps and not scheduler._asked

@@ -77,9 +77,14 @@ class DraftLengthMixin:
         decoding = [req_id for req_id, num in scheduler_output.num_scheduled_tokens.items()
                     if self.requests[req_id].num_computed_tokens + num
                     >= self.requests[req_id].num_tokens_with_spec]  # it samples this step
-        # Steps with prefill chunks are not timed: their time is the prefill's.
+        # Steps with prefill chunks are not timed: their time is the prefill's. That includes
+        # a prompt's last chunk (its request samples this step too): a timed step schedules
+        # each request its one new token and its drafts, nothing more.
+        spec = scheduler_output.scheduled_spec_decode_tokens
         self._decode_only = bool(decoding) and len(decoding) == len(
-            scheduler_output.num_scheduled_tokens)
+            scheduler_output.num_scheduled_tokens) and all(
+            num == 1 + len(spec.get(req_id, ()))
+            for req_id, num in scheduler_output.num_scheduled_tokens.items())
         self._asked[id(scheduler_output)] = [r for r in decoding if self._counts.get(r, 0)]
         seeded = [req_id for req_id in decoding if _seeded(self.requests[req_id])]
         k_max, self._counts = self.draft_controller.choose(decoding, full=seeded)
