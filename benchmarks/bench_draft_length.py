@@ -23,7 +23,8 @@ the lengths it chose (``ascend:spec_decode_draft_length``).
 Pass line (issue 14): at every N, dynamic's throughput at least 0.95x the better of no
 speculation and fixed k = 3 for the same method.
 
-Results: ``benchmarks/results/draft_length.json`` and ``draft_length.md``.
+Results: ``benchmarks/results/draft_length.json`` and ``draft_length.md`` (``--name`` gives
+another file name, for a run of some methods only).
 
     python benchmarks/bench_draft_length.py [--rounds 6] [--methods ngram,suffix,medusa,eagle]
     python benchmarks/bench_draft_length.py --render   # the .md again from the stored .json
@@ -135,12 +136,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6, help="counted rounds per setup and N")
     parser.add_argument("--methods", default="ngram,suffix,medusa,eagle")
     parser.add_argument("--render", action="store_true",
-                        help="only rewrite draft_length.md (and the pass line) from the "
-                             "stored draft_length.json")
+                        help="only rewrite the .md (and the pass line) from the stored .json")
+    parser.add_argument("--name", default="draft_length",
+                        help="results file name under benchmarks/results (default draft_length)")
     args = parser.parse_args()
     if args.render:
-        results = json.loads((RESULTS / "draft_length.json").read_text())
-        write(results, list(results["turns"]))
+        results = json.loads((RESULTS / f"{args.name}.json").read_text())
+        write(results, list(results["turns"]), args.name)
         return 0
     from ascend_plugin.demo_model import demo_model_dir, held_out_prompts
     from ascend_plugin.serving import counter_totals, histogram_counts, running_server
@@ -180,16 +182,16 @@ def main() -> int:
         "dynamic_lengths": {method: {str(k): n for k, n in sorted(h.items())}
                             for method, h in chosen.items()},
     }
-    write(results, methods)
+    write(results, methods, args.name)
     return 0
 
 
-def write(results: dict, methods: list[str]) -> None:
+def write(results: dict, methods: list[str], name: str) -> None:
     results["pass_line"] = pass_line(results, methods)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "draft_length.json").write_text(json.dumps(results, indent=2) + "\n")
-    (RESULTS / "draft_length.md").write_text(markdown(results))
-    print((RESULTS / "draft_length.md").read_text())
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(results))
+    print((RESULTS / f"{name}.md").read_text())
 
 
 def summary(runs: list[dict]) -> dict:
