@@ -33,9 +33,6 @@ def quiet_gap_s() -> float:
     between servers (or engines in their own processes) waits this long before each round:
     started sooner, a round shares the cores with the previous one's still spinning worker
     (an ad-hoc /proc look on 2 cores: 0.3-0.5 s of CPU taken from a 1 s round)."""
-    import inspect
+    from ascend_core.worker.busy_loop import worker_busy_loop_s
 
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-    busy_loop = inspect.signature(SpinCondition.__init__).parameters.get("busy_loop_s")
-    return (float(busy_loop.default) if busy_loop is not None else 1.0) + 0.5
+    return worker_busy_loop_s() + 0.5

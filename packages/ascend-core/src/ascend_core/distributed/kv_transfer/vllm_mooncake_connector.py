@@ -240,13 +240,9 @@ def _idle_step_pause_s(world_size: int, cores: int | None = None) -> float:
     cores = len(os.sched_getaffinity(0)) if cores is None else cores
     if world_size <= 1 or cores >= 2 * world_size:
         return 0.01
-    import inspect
+    from ascend_core.worker.busy_loop import worker_busy_loop_s
 
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-    busy_loop = inspect.signature(SpinCondition.__init__).parameters.get("busy_loop_s")
-    window = busy_loop.default if busy_loop is not None else 1.0
-    return float(window) + 0.1
+    return worker_busy_loop_s() + 0.1
 
 
 class _SchedulerSide:
