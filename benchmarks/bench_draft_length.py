@@ -9,8 +9,8 @@ server is up throughout; each method's two servers (k = 3, dynamic) are up while
 method is measured, and the load is taken in turns (none, k=3, dynamic, none, ...), so each
 round of a load level saw the same machine. Each round starts once the servers' workers
 sleep: a vLLM worker spins on its queue for ``busy_loop_s`` (1 s) after its engine's last
-step, and without the wait the previous round's server took 0.3-0.5 s of the 2 cores from a
-1 s round of the next one (an ad-hoc /proc look: first tokens 0.6-1 s late in some rounds).
+step, and without the wait the previous round's server took a large share of the 2 cores
+from the next round's first second (an ad-hoc /proc look, not stored: late first tokens).
 A round sends N streamed greedy completions of held-out prompts at once through the
 ``openai`` client (N = 1, 4, 16, 64; ``max_tokens`` 128, end of sequence ignored); before
 the counted rounds each server gets one uncounted round at that N (first requests pay

@@ -32,7 +32,7 @@ def quiet_gap_s() -> float:
     (``SpinCondition``'s ``busy_loop_s``), and a little more. A benchmark taking turns
     between servers (or engines in their own processes) waits this long before each round:
     started sooner, a round shares the cores with the previous one's still spinning worker
-    (an ad-hoc /proc look on 2 cores: 0.3-0.5 s of CPU taken from a 1 s round)."""
+    (seen in an ad-hoc /proc look on 2 cores, not stored)."""
     from ascend_core.worker.busy_loop import worker_busy_loop_s
 
     return worker_busy_loop_s() + 0.5
