@@ -303,3 +303,30 @@ def test_a_claim_for_another_prompt_is_refused_and_reads_nothing(prefill, decode
     decode.decode_side().pull(pull_task("d-9", (0, 1), remote(prefill, lease, [2, 3])))
     assert torch.equal(decode.caches[next(iter(decode.caches))][0],
                        prefill.caches[next(iter(prefill.caches))][2])
+
+
+def test_a_decode_worker_waits_on_pending_claims_for_lease_timeout_s(monkeypatch):
+    """The connector's decode side: each answer within side_channel_timeout_s, a claim the
+    prefill node answers "pending" asked again for up to lease_timeout_s."""
+    from types import SimpleNamespace
+
+    import vllm.distributed.parallel_state as parallel_state
+
+    from ascend_core.distributed.kv_transfer.params import parse_options
+    from ascend_core.distributed.kv_transfer.vllm_mooncake_connector import _WorkerSide
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    options = parse_options({"lease_timeout_s": 42, "side_channel_timeout_s": 4}, "tcp")
+    connector = SimpleNamespace(
+        options=options, host=HOST, kv_role="kv_consumer", block_size=BLOCK_SIZE, tp_size=1,
+        _vllm_config=SimpleNamespace(
+            compilation_config=SimpleNamespace(static_forward_context={})))
+    spec = SimpleNamespace(num_kv_heads=2)
+    kv_cache_config = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=spec)])
+    worker = _WorkerSide(connector, kv_cache_config)
+    try:
+        worker.register_kv_caches(Node().caches)
+        assert (worker.decode.timeout_s, worker.decode.pending_timeout_s) == (4, 42)
+    finally:
+        worker.shutdown()
