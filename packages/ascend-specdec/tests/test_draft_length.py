@@ -171,6 +171,36 @@ def test_step_times_are_kept_per_batch_size_range():
     assert times.table() == {(4, 1): (2.5, (1 + 1 / 3) / 2)}
 
 
+def test_a_steps_fixed_part_is_fitted_and_each_length_judged_at_the_batch_size():
+    """Steps cost 8 ms plus 0.5 ms per request at length 0, 0.8 ms at length 1. Length 0 is
+    timed over a range's whole spread (a round's tail: 9 to 16 requests), length 1 only in
+    full batches: per request over the steps as they came, length 0 read dearer than it is
+    at 16 requests."""
+    times = StepTimes()
+    for n in (9, 10, 11, 12, 13, 14, 15, 16, 16, 16):
+        times.observe(n, 0, 0.008 + 0.0005 * n)
+    for _ in range(4):
+        times.observe(16, 1, 0.008 + 0.0008 * 16)
+    assert times.fixed() == pytest.approx(0.008)
+    assert times.per_request(16, 0) == pytest.approx(0.008 / 16 + 0.0005)
+    assert times.per_request(12, 1) == pytest.approx(0.008 / 12 + 0.0008)
+    # Tokens per request-step 1.2 at length 1: its rate at 16 requests is below length 0's,
+    # which it beat where length 0's time was its steps' median per request (1.35 ms).
+    assert 1.2 / times.per_request(16, 1) < 1 / times.per_request(16, 0)
+    assert 1.2 / times.per_request(16, 1) > 1 / 0.00135
+
+
+def test_the_fixed_part_stays_within_the_recorded_steps():
+    times = StepTimes()
+    times.observe(3, 1, 2.0)
+    times.observe(4, 1, 4.0)  # a line through both would cost -4 s at no requests
+    assert times.fixed() == 0.0
+    times = StepTimes()
+    for n in (3, 4):
+        times.observe(n, 0, 1.0 + 0.001 * n)  # nearly flat: a fitted part of 1 s
+    assert times.fixed() == pytest.approx(0.9 * 1.003)  # kept below the cheapest step
+
+
 def test_requests_that_need_the_full_length_keep_it():
     controller = DraftLengthController(max_k=K, explore_every=0)
     served(controller, ["a", "b"], {"a": 0, "b": 0}, lambda n, k: 0.01 * (1 + k))

@@ -168,6 +168,30 @@ def test_greedy_logprobs_equal_vllms():
                            getattr(theirs.logprobs_tensors, field)), field
 
 
+@pytest.mark.parametrize("temperatures", [[0.0] * 4, [0.0, 0.8, 1.0, 0.0]])
+def test_a_step_without_drafts_is_sampled_as_a_plain_decode_step(temperatures, monkeypatch):
+    """No request has drafts: the output, logprobs included, is vLLM's sampler's on the same
+    rows and draws, and the verification is not run."""
+    from ascend_specdec.vllm import rejection_sampler as module
+
+    monkeypatch.setattr(module, "rejection_sample", None)  # calling it would fail
+    logits = torch.randn(4, 60, generator=torch.Generator().manual_seed(5))
+    outputs = []
+    for sampler in (ours(), Sampler()):
+        sampling = sampling_metadata(temperatures, max_num_logprobs=2, generators={
+            1: torch.Generator().manual_seed(1), 2: torch.Generator().manual_seed(2)})
+        if isinstance(sampler, AscendRejectionSampler):
+            outputs.append(sampler(spec_metadata([[]] * 4), None, logits.clone(), sampling))
+        else:
+            outputs.append(sampler(logits=logits.clone(), sampling_metadata=sampling))
+    mine, plain = outputs
+    assert mine.sampled_token_ids.shape == (4, 1)
+    assert torch.equal(mine.sampled_token_ids, plain.sampled_token_ids)
+    for field in ("logprob_token_ids", "logprobs", "selected_token_ranks"):
+        assert torch.equal(getattr(mine.logprobs_tensors, field),
+                           getattr(plain.logprobs_tensors, field)), field
+
+
 # --- random: the output distribution -------------------------------------------------------
 
 

@@ -11,7 +11,8 @@ much as the tokens it would have saved. ``DraftLengthController`` decides online
   are all accepted is the product of its rates up to ``j``.
 - **Cost, measured**: per batch-size range (powers of two) and draft length ``k_max`` (the
   length the proposer ran and the verification scored), the recent decode steps' time per
-  request (see ``StepTimes``). A step's time is far from linear in its tokens (a device is
+  request at the batch's size (a fixed part per step and a part per request, see
+  ``StepTimes``). A step's time is far from linear in its tokens (a device is
   about as fast for 8 tokens as for 1 until its compute fills) and depends on the proposer,
   so it is measured where it is used rather than modelled. A step verifies the drafts of the
   step before it, so a step is timed only where both steps gave every request the same
@@ -52,11 +53,25 @@ class DraftLengthError(ValueError):
 
 class StepTimes:
     """Decode steps per (batch-size range, draft length): the last ``window`` steps' seconds
-    and request counts, for the time per request in a step."""
+    and request counts, for the time per request in a step of a given batch size.
+
+    A step costs a fixed part (the scheduler, the runner's bookkeeping, one pass over the
+    weights) and a part per request that grows with the draft length. On a small model the
+    fixed part is most of a step, so a range's steps cost far more per request at its low end
+    (a round's tail, requests finishing) than at its top: a range's time per request taken
+    over its steps as they came would favour whichever length happened to be measured at
+    larger batches. So one fixed part is fitted for all steps (least squares, each range and
+    length with its own slope, so only the spread of batch sizes within a group tells the
+    fixed part), and a group's per-request part is the median of its steps' (a step the
+    machine stalled in does not count); the time per request at ``n`` requests is the fixed
+    part over ``n`` plus that."""
 
     def __init__(self, window: int = 24) -> None:
         self.window = window
         self._steps: dict[tuple[int, int], deque[tuple[float, int]]] = {}
+        # Per group: its steps' count, sums of s, n, n*s and n*n, and its cheapest step.
+        self._sums: dict[tuple[int, int], tuple[float, ...]] = {}
+        self._fixed: float | None = None  # None: to fit again
 
     @staticmethod
     def bucket(num_requests: int) -> int:
@@ -67,19 +82,41 @@ class StepTimes:
         if num_requests <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         key = (self.bucket(num_requests), k_max)
-        self._steps.setdefault(key, deque(maxlen=self.window)).append((seconds, num_requests))
+        steps = self._steps.setdefault(key, deque(maxlen=self.window))
+        steps.append((seconds, num_requests))
+        self._sums[key] = (len(steps), sum(s for s, _ in steps), sum(n for _, n in steps),
+                           sum(n * s for s, n in steps), sum(n * n for _, n in steps),
+                           min(s for s, _ in steps))
+        self._fixed = None
+
+    def fixed(self) -> float:
+        """Seconds of a step that do not depend on its number of requests: the least-squares
+        intercept ``a`` with a slope per group, at least 0 and below every recorded step."""
+        if self._fixed is None:
+            # A group's residuals are u - a v with u = s - n A, v = 1 - n B (its slope is
+            # A - a B, A = sum ns / sum nn, B = sum n / sum nn): a = sum uv / sum vv.
+            uv = vv = 0.0
+            for m, sum_s, sum_n, sum_ns, sum_nn, _ in self._sums.values():
+                a, b = sum_ns / sum_nn, sum_n / sum_nn
+                uv += sum_s - b * sum_ns - a * sum_n + a * b * sum_nn
+                vv += m - 2 * b * sum_n + b * b * sum_nn
+            lowest = min((sums[5] for sums in self._sums.values()), default=0.0)
+            self._fixed = min(max(uv / vv, 0.0), 0.9 * lowest) if vv > 1e-9 else 0.0
+        return self._fixed
 
     def per_request(self, num_requests: int, k_max: int) -> float | None:
-        """Seconds per request in a step (a range holds batches of different sizes), the
-        median over the recent steps (a step the machine stalled in does not count), or None
-        before any."""
+        """Seconds per request in a step of ``num_requests`` requests at ``k_max``, or None
+        before any step of that range and length."""
         steps = self._steps.get((self.bucket(num_requests), k_max))
-        return statistics.median(s / n for s, n in steps) if steps else None
+        if not steps:
+            return None
+        fixed = self.fixed()
+        return fixed / num_requests + statistics.median((s - fixed) / n for s, n in steps)
 
     def table(self) -> dict[tuple[int, int], tuple[float, float]]:
-        """``{(batch-size range, length): (mean seconds, seconds per request)}``."""
-        return {key: (sum(s for s, _ in steps) / len(steps),
-                      statistics.median(s / n for s, n in steps))
+        """``{(batch-size range, length): (mean seconds, seconds per request at the range's
+        top)}``."""
+        return {key: (sum(s for s, _ in steps) / len(steps), self.per_request(key[0], key[1]))
                 for key, steps in sorted(self._steps.items())}
 
 

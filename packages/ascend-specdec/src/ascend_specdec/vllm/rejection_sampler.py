@@ -64,6 +64,12 @@ class AscendRejectionSampler(RejectionSampler):
         self.num_calls += 1
         if self.tree is not None:
             return self._verify_tree(metadata, logits, sampling_metadata)
+        if metadata.max_spec_len == 0:
+            # No request brought drafts (the draft-length controller chose none): the runner
+            # computed one logits row per request, its bonus row, and the step is a plain
+            # decode step, so vLLM's sampler alone samples it (the verification's gathers and
+            # index tensors would only cost time).
+            return self.sampler(logits=logits, sampling_metadata=sampling_metadata)
         wants_logprobs = sampling_metadata.max_num_logprobs is not None
         bonus_output = self.sampler(
             logits=logits.index_select(0, metadata.bonus_logits_indices),
