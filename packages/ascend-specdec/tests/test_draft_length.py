@@ -92,16 +92,34 @@ def test_a_request_whose_drafts_are_rejected_drafts_less_than_one_whose_drafts_a
     assert controller.chain_probabilities("r0")[0] > controller.chain_probabilities("r7")[0]
 
 
+def explorations(chosen: list[int]) -> list[int]:
+    """The (1-based) steps where a run of length 1 starts after the calibration."""
+    return [i + 1 for i, k in enumerate(chosen)
+            if i > K and k == 1 and chosen[i - 1] != 1]
+
+
 def test_exploration_drafts_a_neighbouring_length_in_full():
     controller = DraftLengthController(max_k=K, explore_every=4, calibration_rounds=1)
     batch = ["a", "b"]
-    chosen = served(controller, batch, {"a": 0, "b": 0}, lambda n, k: 0.01 * (1 + k), steps=24)
-    after = chosen[K + 1:]
-    assert 0 in after and 1 in after  # chose 0, and tried 1 now and then
-    # Steps 4, 8, ... of the batch-size range explore: every request drafts in full.
-    controller._steps[StepTimes.bucket(2)] = 3
+    # Length 1 costs 10% more than length 0: within reach, looked at every 4th step.
+    chosen = served(controller, batch, {"a": 0, "b": 0}, lambda n, k: 0.01 * (1 + 0.1 * k),
+                    steps=24)
+    assert set(chosen[K + 1:]) == {0, 1}
+    assert explorations(chosen) == [5, 9, 13, 17, 21]
+    assert [chosen[i] for i in (4, 5, 6)] == [1, 1, 0]  # two steps, then the choice again
+    # The step due to explore (the 25th): every request drafts in full.
+    controller._steps[StepTimes.bucket(2)] = 24
     k_max, counts = controller.choose(batch)
     assert k_max == 1 and set(counts.values()) == {1}
+
+
+def test_a_neighbour_far_below_the_choice_is_explored_ever_less_often():
+    """Length 1 takes twice length 0's time and its drafts are never accepted: the gap
+    between looks at it doubles, up to 8 x explore_every."""
+    controller = DraftLengthController(max_k=K, explore_every=4, calibration_rounds=1)
+    chosen = served(controller, ["a", "b"], {"a": 0, "b": 0}, lambda n, k: 0.01 * (1 + k),
+                    steps=100)
+    assert explorations(chosen) == [5, 13, 29, 61, 93]
 
 
 def test_min_and_max_bound_every_choice():

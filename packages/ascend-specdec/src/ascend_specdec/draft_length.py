@@ -19,7 +19,9 @@ much as the tokens it would have saved. ``DraftLengthController`` decides online
   length (the caller's part, see ``observe_step``). The first
   steps in each range try every allowed length a few steps in a row (calibration on the real
   traffic); afterwards every ``explore_every``-th step there starts two steps of a
-  neighbouring length, drafted in full, so a change in load is seen.
+  neighbouring length, drafted in full, so a change in load is seen (less often, down to
+  every ``8 * explore_every``-th step, while the neighbour stays more than ``far_margin``
+  below the choice: each look costs what the neighbour loses).
 - **Yield, modelled**: the tokens a request emits per step at length ``k``, one plus the
   chances that its first ``1 .. k`` drafts are all accepted (the acceptance estimates above,
   from every verified draft, times the share of requests asked for drafts whose proposer
@@ -137,7 +139,8 @@ class DraftLengthController:
     def __init__(self, max_k: int, min_k: int = 0, *, decay: float = 0.995,
                  request_prior: float = 4.0, explore_every: int = 32,
                  calibration_rounds: int = 3, window: int = 24,
-                 margin: float = 0.03, ragged: bool = True) -> None:
+                 margin: float = 0.03, far_margin: float = 0.15,
+                 ragged: bool = True) -> None:
         if not isinstance(max_k, int) or max_k < 1:
             raise DraftLengthError(
                 f"max_k={max_k!r}: the draft length must be an integer of at least 1")
@@ -147,6 +150,7 @@ class DraftLengthController:
         self.max_k, self.min_k = max_k, min_k
         self.decay, self.request_prior, self.position_prior = decay, request_prior, 2.0
         self.explore_every, self.margin, self.ragged = explore_every, margin, ragged
+        self.far_margin = far_margin
         self.times = StepTimes(window)
         self.calibration_rounds = calibration_rounds
         # Global per position (1-based j at index j-1); the priors are in position_rates.
@@ -154,9 +158,13 @@ class DraftLengthController:
         # Of the requests asked for drafts, those whose proposer found some ("accepted").
         self._found = _Counts(1.0, 1.0)
         self._requests: dict[str, _Counts] = {}
-        # Per batch-size range: the lengths still to try at start-up, and the steps seen.
+        # Per batch-size range: the lengths still to try at start-up, the steps seen, and
+        # the explorations: how many, the step of the next one, the steps between the last two.
         self._calibration: dict[int, list[int]] = {}
         self._steps: dict[int, int] = {}
+        self._explorations: dict[int, int] = {}
+        self._next_explore: dict[int, int] = {}
+        self._explore_gap: dict[int, int] = {}
         # How often each k_max was chosen (the controller's histogram).
         self.chosen: dict[int, int] = {k: 0 for k in range(min_k, max_k + 1)}
 
@@ -281,13 +289,21 @@ class DraftLengthController:
             best = max(rates.values(), default=0.0)
             k_max = min((k for k, r in rates.items() if r >= best / (1 + self.margin)),
                         default=self.max_k)
-            if self.explore_every and steps % self.explore_every == 0:
+            if self.explore_every and steps >= self._next_explore.setdefault(
+                    bucket, self.explore_every):
                 # A neighbouring length for two steps (the second one is timed), drafted in
                 # full by every request: its time and its acceptance are measured, not
-                # inferred from a choice that avoids them.
-                up = k_max < self.max_k and (
-                    (steps // self.explore_every) % 2 == 1 or k_max == self.min_k)
+                # inferred from a choice that avoids them. Up and down in turns (up from the
+                # shortest); a neighbour that looked far worse than the choice is looked at
+                # again after twice the steps of the time before (up to 8x explore_every),
+                # one within reach after explore_every (each look costs time).
+                turn = self._explorations[bucket] = self._explorations.get(bucket, 0) + 1
+                up = k_max < self.max_k and (turn % 2 == 1 or k_max == self.min_k)
                 k_max = k_max + 1 if up else max(k_max - 1, self.min_k)
+                gap = self._explore_gap.get(bucket, self.explore_every)
+                far = rates.get(k_max, best) < best / (1 + self.far_margin)
+                gap = min(2 * gap, 8 * self.explore_every) if far else self.explore_every
+                self._explore_gap[bucket], self._next_explore[bucket] = gap, steps + gap
                 todo.append(k_max)
                 counts = {r: k_max for r in req_ids}
             elif self.ragged:
