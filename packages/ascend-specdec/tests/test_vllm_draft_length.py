@@ -15,6 +15,7 @@ from ascend_specdec.vllm.draft_length import (  # noqa: E402
     _verified,
     full_decode_graphs,
     install_draft_length_scheduler,
+    skip_empty_draft_fetch,
 )
 
 ON = {"draft_length_config": {"dynamic": True}}
@@ -147,20 +148,45 @@ def test_only_steps_that_verify_and_draft_one_length_for_every_request_are_timed
     scheduler = Scheduler(config())
     script = iter([(2, {"a": 2, "b": 2}), (2, {"a": 2, "b": 2}), (2, {"a": 2, "b": 2}),
                    (2, {"a": 2, "b": 0}), (2, {"a": 2, "b": 2}), (3, {"a": 3, "b": 3}),
-                   (3, {"a": 3, "b": 3})])
+                   (3, {"a": 3, "b": 3}), (0, {"a": 0, "b": 0})])
     timed = []
     scheduler.draft_controller.choose = lambda req_ids, full=(): next(script)
     scheduler.draft_controller.observe_step = lambda n, k, seconds: timed.append((n, k))
     runner_output = SimpleNamespace(sampled_token_ids=[[1], [1]],
                                     req_id_to_index={"a": 0, "b": 1})
-    for step in range(7):
+    for step in range(8):
         output = scheduler.schedule()
         output.num_invalid_spec_tokens = None
         output.finished_req_ids = set()
         scheduler.update_from_output(output, runner_output)
-        assert output.num_spec_tokens_to_schedule == (2 if step < 5 else 3)
+        assert output.num_spec_tokens_to_schedule == (2 if step < 5 else 3 if step < 7 else 0)
+        assert scheduler.drafts_this_step == (step < 7)  # the engine fetches drafts or not
     # Timed: the second step (after a full 2) and the last (after a full 3); not the one
     # with a prompt's last chunk, the trimmed one, the one after it, nor the first 3 (it
     # verified 2s).
     assert timed == [(2, 2), (2, 3)]
     assert not scheduler._timed_steps and not scheduler._asked
+
+
+def test_the_engine_fetches_no_drafts_after_a_step_of_length_0(monkeypatch):
+    """vLLM's synchronous engine core asks the worker for drafts after every step; after a
+    step the controller gave length 0 it does not (no request would keep one)."""
+    from vllm.v1.engine.core import EngineCore
+
+    monkeypatch.setattr(EngineCore, "post_step", EngineCore.post_step)  # undone after
+    skip_empty_draft_fetch()
+    skip_empty_draft_fetch()  # wraps once
+    fetched = []
+    core = SimpleNamespace(
+        check_for_draft_tokens=True, async_scheduling=False,
+        model_executor=SimpleNamespace(take_draft_token_ids=lambda: fetched.append(1) or "d"),
+        scheduler=SimpleNamespace(update_draft_token_ids=fetched.append))
+    for drafts, executed, expected in ((False, True, []), (True, True, [1, "d"]),
+                                       (False, False, [])):
+        fetched.clear()
+        core.scheduler.drafts_this_step = drafts
+        EngineCore.post_step(core, executed)
+        assert fetched == expected
+    del core.scheduler.drafts_this_step  # vLLM's scheduler: every step fetches
+    EngineCore.post_step(core, True)
+    assert fetched == [1, "d"]

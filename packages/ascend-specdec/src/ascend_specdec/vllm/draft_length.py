@@ -62,6 +62,7 @@ class DraftLengthMixin:
         # Per step in flight that is timed (decode only, every request verifying and
         # drafting one length): when it was scheduled and how many requests it has.
         self._timed_steps: dict[int, tuple[float, int]] = {}
+        self.drafts_this_step = True
         logger.info("draft length: chosen every step from %d to %d draft tokens "
                     "(ascend_specdec.draft_length)", self.draft_controller.min_k,
                     self.draft_controller.max_k)
@@ -89,6 +90,9 @@ class DraftLengthMixin:
         seeded = [req_id for req_id in decoding if _seeded(self.requests[req_id])]
         k_max, self._counts = self.draft_controller.choose(decoding, full=seeded)
         scheduler_output.num_spec_tokens_to_schedule = k_max
+        # Length 0: every request's drafts of this step would be trimmed to none, so the
+        # engine need not fetch them (see skip_empty_draft_fetch).
+        self.drafts_this_step = k_max > 0
         ragged = self.draft_controller.ragged and any(
             count != k_max for count in self._counts.values())
         self._last_k = None if ragged else k_max
@@ -171,6 +175,7 @@ def make_scheduler(*args: Any, vllm_config, **kwargs: Any):
     if controlled:
         cls = (AscendAsyncDraftLengthScheduler if async_scheduling
                else AscendDraftLengthScheduler)
+        skip_empty_draft_fetch()
     else:
         cls = AsyncScheduler if async_scheduling else Scheduler
     scheduler = cls(*args, vllm_config=vllm_config, **kwargs)
@@ -181,6 +186,30 @@ def make_scheduler(*args: Any, vllm_config, **kwargs: Any):
         scheduler.structured_output_manager = TreeGrammar(
             scheduler.structured_output_manager, tree)
     return scheduler
+
+
+def skip_empty_draft_fetch() -> None:
+    """With the synchronous scheduler, vLLM's engine core asks the worker for the step's
+    drafts after every step (``EngineCore.post_step``: ``take_draft_token_ids``, one more
+    round trip to the worker process). In a step whose length the controller chose 0 no
+    request keeps a draft, so the engine core skips that fetch, and a length-0 step costs
+    what a step without speculation costs (on a loaded 2-core host that round trip was
+    most of what a `vllm serve` Medusa server drafting nothing lost to one without
+    speculation). Wraps ``post_step`` once; a scheduler without ``drafts_this_step`` keeps
+    vLLM's behaviour."""
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore.post_step
+    if getattr(original, "_ascend_skips_empty_drafts", False):
+        return
+
+    def post_step(self, model_executed: bool) -> None:
+        if model_executed and not getattr(self.scheduler, "drafts_this_step", True):
+            return
+        original(self, model_executed)
+
+    post_step._ascend_skips_empty_drafts = True
+    EngineCore.post_step = post_step
 
 
 def full_decode_graphs(vllm_config) -> bool:
