@@ -1,6 +1,7 @@
 """The draft-length controller's vLLM glue: where the config hook installs its scheduler, the
 bounds it checks, and what it reads from a step's output."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -159,6 +160,7 @@ def test_only_steps_that_verify_and_draft_one_length_for_every_request_are_timed
         output.num_invalid_spec_tokens = None
         output.finished_req_ids = set()
         scheduler.update_from_output(output, runner_output)
+        scheduler.finish_step(0.0)  # the engine core's post_step
         assert output.num_spec_tokens_to_schedule == (2 if step < 5 else 3 if step < 7 else 0)
         assert scheduler.drafts_this_step == (step < 7)  # the engine fetches drafts or not
     # Timed: the second step (after a full 2) and the last (after a full 3); not the one
@@ -176,17 +178,39 @@ def test_the_engine_fetches_no_drafts_after_a_step_of_length_0(monkeypatch):
     monkeypatch.setattr(EngineCore, "post_step", EngineCore.post_step)  # undone after
     skip_empty_draft_fetch()
     skip_empty_draft_fetch()  # wraps once
-    fetched = []
+    fetched, finished = [], []
+
+    def take():
+        time.sleep(0.05)  # the round trip to the worker
+        fetched.append(1)
+        return "d"
+
     core = SimpleNamespace(
         check_for_draft_tokens=True, async_scheduling=False,
-        model_executor=SimpleNamespace(take_draft_token_ids=lambda: fetched.append(1) or "d"),
-        scheduler=SimpleNamespace(update_draft_token_ids=fetched.append))
+        model_executor=SimpleNamespace(take_draft_token_ids=take),
+        scheduler=SimpleNamespace(update_draft_token_ids=fetched.append,
+                                  finish_step=finished.append))
     for drafts, executed, expected in ((False, True, []), (True, True, [1, "d"]),
                                        (False, False, [])):
         fetched.clear()
         core.scheduler.drafts_this_step = drafts
         EngineCore.post_step(core, executed)
         assert fetched == expected
-    del core.scheduler.drafts_this_step  # vLLM's scheduler: every step fetches
+    # The fetch's time goes to the scheduler's step time; a skipped fetch costs nothing.
+    assert finished[0] < 0.05 <= finished[1] and finished[2] < 0.05
+    del core.scheduler.drafts_this_step, core.scheduler.finish_step  # vLLM's scheduler
     EngineCore.post_step(core, True)
     assert fetched == [1, "d"]
+
+
+def test_a_timed_steps_time_includes_the_fetch_of_its_drafts():
+    from ascend_specdec.vllm.draft_length import DraftLengthMixin
+
+    scheduler = DraftLengthMixin.__new__(DraftLengthMixin)
+    observed = []
+    scheduler.draft_controller = SimpleNamespace(
+        observe_step=lambda n, k, seconds: observed.append((n, k, seconds)))
+    scheduler._step_to_finish = (4, 1, 0.010)
+    scheduler.finish_step(0.002)
+    scheduler.finish_step(0.002)  # once
+    assert observed == [(4, 1, pytest.approx(0.012))]

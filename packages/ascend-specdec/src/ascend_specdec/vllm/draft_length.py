@@ -63,6 +63,9 @@ class DraftLengthMixin:
         # drafting one length): when it was scheduled and how many requests it has.
         self._timed_steps: dict[int, tuple[float, int]] = {}
         self.drafts_this_step = True
+        # A timed step's (requests, length, seconds) until the engine core has fetched its
+        # drafts (finish_step).
+        self._step_to_finish: tuple[int, int, float] | None = None
         logger.info("draft length: chosen every step from %d to %d draft tokens "
                     "(ascend_specdec.draft_length)", self.draft_controller.min_k,
                     self.draft_controller.max_k)
@@ -99,12 +102,13 @@ class DraftLengthMixin:
         super()._update_after_schedule(scheduler_output)
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        self.finish_step()  # a step the engine core did not report on
         step = self._timed_steps.pop(id(scheduler_output), None)
         if step is not None:
-            # Its time covers verifying the drafts it brought and drafting k_max new ones.
-            self.draft_controller.observe_step(
-                step[1], scheduler_output.num_spec_tokens_to_schedule,
-                time.perf_counter() - step[0])
+            # Its time covers verifying the drafts it brought and drafting k_max new ones;
+            # the engine core's fetch of those drafts follows (finish_step).
+            self._step_to_finish = (step[1], scheduler_output.num_spec_tokens_to_schedule,
+                                    time.perf_counter() - step[0])
         self.draft_controller.observe_verification(
             _verified(scheduler_output, model_runner_output, self._asked.pop(
                 id(scheduler_output), ())))
@@ -112,6 +116,15 @@ class DraftLengthMixin:
         for req_id in scheduler_output.finished_req_ids:
             self.draft_controller.forget_request(req_id)
         return outputs
+
+    def finish_step(self, fetch_seconds: float = 0.0) -> None:
+        """The engine core's part after ``update_from_output`` (see skip_empty_draft_fetch):
+        the timed step's time with the fetch of its drafts, which a step of length 0 skips
+        (left out, a length's fetch would count for nothing and longer lengths look cheap)."""
+        if self._step_to_finish is not None:
+            num_requests, k_max, seconds = self._step_to_finish
+            self._step_to_finish = None
+            self.draft_controller.observe_step(num_requests, k_max, seconds + fetch_seconds)
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         """Each request keeps the first drafts of its own count. vLLM calls this with the
@@ -195,8 +208,9 @@ def skip_empty_draft_fetch() -> None:
     request keeps a draft, so the engine core skips that fetch, and a length-0 step costs
     what a step without speculation costs (on a loaded 2-core host that round trip was
     most of what a `vllm serve` Medusa server drafting nothing lost to one without
-    speculation). Wraps ``post_step`` once; a scheduler without ``drafts_this_step`` keeps
-    vLLM's behaviour."""
+    speculation). The fetch's time is the step's too: the scheduler's ``finish_step`` gets
+    it. Wraps ``post_step`` once; a scheduler without ``drafts_this_step`` keeps vLLM's
+    behaviour."""
     from vllm.v1.engine.core import EngineCore
 
     original = EngineCore.post_step
@@ -204,9 +218,11 @@ def skip_empty_draft_fetch() -> None:
         return
 
     def post_step(self, model_executed: bool) -> None:
-        if model_executed and not getattr(self.scheduler, "drafts_this_step", True):
-            return
-        original(self, model_executed)
+        start = time.perf_counter()
+        if not model_executed or getattr(self.scheduler, "drafts_this_step", True):
+            original(self, model_executed)
+        if finish := getattr(self.scheduler, "finish_step", None):
+            finish(time.perf_counter() - start)
 
     post_step._ascend_skips_empty_drafts = True
     EngineCore.post_step = post_step
