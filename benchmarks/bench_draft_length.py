@@ -18,7 +18,8 @@ one-off costs, and the controller calibrates each batch-size range on its first 
 there). Per setup and N: output throughput (tokens over the round's wall time, median of
 rounds), time to first token and inter-token latency (medians over requests). From vLLM's
 ``/metrics`` over all rounds: mean acceptance length, mean draft length, and for dynamic
-the lengths it chose (``ascend:spec_decode_draft_length``).
+the lengths it chose (``ascend:spec_decode_draft_length``), in all and per N over the
+counted rounds.
 
 Pass line (issue 14): at every N, dynamic's throughput at least 0.95x the better of no
 speculation and fixed k = 3 for the same method.
@@ -108,10 +109,13 @@ async def one_round(url: str, model: str, prompts: list[str]) -> dict:
 
 
 def measure(urls: dict[str, str], model: str, prompts: list[str], rounds: int,
-            record: dict, turns: dict) -> None:
+            record: dict, turns: dict, lengths: dict) -> None:
     """Every N: one uncounted round per server, then ``rounds`` counted ones in turns;
-    ``record`` by (setup, N), ``turns`` (this method's) by N and setup. Every round starts
-    after ``host_machine.quiet_gap_s()``."""
+    ``record`` by (setup, N), ``turns`` (this method's) by N and setup, ``lengths`` (this
+    method's) by N: the draft lengths its dynamic server verified requests with in the
+    counted rounds. Every round starts after ``host_machine.quiet_gap_s()``."""
+    from ascend_plugin.serving import histogram_counts
+
     gap = host_machine.quiet_gap_s()
 
     def run(url: str, n: int) -> dict:
@@ -123,7 +127,15 @@ def measure(urls: dict[str, str], model: str, prompts: list[str], rounds: int,
             run(url, n)
         for index in range(rounds):
             for name, url in urls.items():
+                dynamic = name.endswith(" dynamic")
+                if dynamic:
+                    before = histogram_counts(url, "ascend:spec_decode_draft_length")
                 result = run(url, n)
+                if dynamic:
+                    after = histogram_counts(url, "ascend:spec_decode_draft_length")
+                    per_n = lengths.setdefault(str(n), {})
+                    for k, count in after.items():
+                        per_n[str(k)] = per_n.get(str(k), 0) + count - before.get(k, 0)
                 record.setdefault((name, n), []).append(result)
                 turns.setdefault(str(n), {}).setdefault(name, []).append(
                     result["tokens"] / result["seconds"])
@@ -155,7 +167,7 @@ def main() -> int:
     logs = tempfile.mkdtemp(prefix="bench-draft-length-")
     print(f"[bench_draft_length] server logs in {logs}", flush=True)
     rounds: dict = {}
-    counters, chosen, turns = {}, {}, {}
+    counters, chosen, turns, lengths_per_n = {}, {}, {}, {}
     with running_server(model, extra_args=BASE_ARGS, log_path=f"{logs}/none.log") as plain:
         for method in methods:
             with contextlib.ExitStack() as stack:
@@ -164,7 +176,8 @@ def main() -> int:
                             model, extra_args=extra, log_path=f"{logs}/{name}.log"))
                         for name, extra in method_setups(method, model).items()}
                 measure({"no speculation": plain, **urls}, model, prompts, args.rounds,
-                        rounds, turns.setdefault(method, {}))
+                        rounds, turns.setdefault(method, {}),
+                        lengths_per_n.setdefault(method, {}))
                 for name, url in urls.items():
                     counters[name] = counter_totals(url, COUNTERS)
                 chosen[method] = histogram_counts(urls[f"{method} dynamic"],
@@ -181,6 +194,7 @@ def main() -> int:
         "acceptance": {name: acceptance(c) for name, c in counters.items()},
         "dynamic_lengths": {method: {str(k): n for k, n in sorted(h.items())}
                             for method, h in chosen.items()},
+        "dynamic_lengths_per_n": lengths_per_n,
     }
     write(results, methods, args.name)
     return 0
@@ -269,6 +283,11 @@ def markdown(results: dict) -> str:
               "`ascend:spec_decode_draft_length`, requests x steps):", ""]
     for method, counts in results["dynamic_lengths"].items():
         lines.append(f"- {method}: " + ", ".join(f"{k}: {n}" for k, n in counts.items()))
+        for n, per_n in results.get("dynamic_lengths_per_n", {}).get(method, {}).items():
+            total = sum(per_n.values()) or 1
+            lines.append(f"  - N={n}, counted rounds: " + ", ".join(
+                f"{k}: {count} ({100 * count / total:.0f}%)"
+                for k, count in sorted(per_n.items(), key=lambda item: int(item[0]))))
     lines += ["", "Pass line: dynamic's throughput over the better of no speculation and "
               f"k={load['k']}, the median of the ratios within each turn (goal: at least "
               "0.95); in brackets the ratio of the medians and the per-turn ratios:", ""]
