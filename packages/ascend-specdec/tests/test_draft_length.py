@@ -138,6 +138,20 @@ def test_a_position_never_tried_is_judged_like_the_one_before_it():
     assert rates[0] > 0.95 and rates[2] == pytest.approx(rates[1])
 
 
+def test_acceptance_estimates_hold_while_nothing_is_drafted():
+    """Steps of length 0 verify nothing: the estimates keep what the last drafts showed
+    (first drafts accepted a fifth of the time) instead of fading to the priors (one half),
+    which would make length 1 look worth its time again on no evidence."""
+    controller = DraftLengthController(max_k=K)
+    controller.observe_verification([("a", 1, 1)] * 20 + [("a", 1, 0)] * 80)
+    before = controller.position_rates()[0]
+    for _ in range(2000):
+        controller.observe_verification([])
+    assert controller.position_rates()[0] == before < 0.25
+    controller.observe_verification([("a", 1, 1)])  # a step with drafts decays the old ones
+    assert controller.position_rates()[0] > before
+
+
 def test_finished_requests_are_forgotten():
     controller = DraftLengthController(max_k=K)
     controller.observe_verification([("gone", 3, 0)])

@@ -5,7 +5,8 @@ Fixed-length speculation wins at batch 1 and loses under load: a verification st
 much as the tokens it would have saved. ``DraftLengthController`` decides online, every step:
 
 - **Acceptance**: per draft position ``j``, the rate at which the ``j``-th draft is accepted
-  when the ones before it were (decayed counts over all requests), and per request how its
+  when the ones before it were (counts over all requests, decayed with each step that
+  verified drafts), and per request how its
   own rate compares with the global one (a few pseudo-observations of the global rate, so a
   new request starts at the global estimate). The chance that a request's first ``j`` drafts
   are all accepted is the product of its rates up to ``j``.
@@ -173,7 +174,14 @@ class DraftLengthController:
     def observe_verification(self, results: Iterable[tuple[str, int, int]]) -> None:
         """One step's verified drafts: ``(request id, drafts scored, drafts accepted)``; 0
         drafts scored: the request was asked for drafts and its proposer found none (n-gram,
-        suffix), which costs nothing to verify and says nothing of its drafts' acceptance."""
+        suffix), which costs nothing to verify and says nothing of its drafts' acceptance.
+        The counts decay with each step that verified something, not with steps of length 0:
+        while nothing is drafted the estimates keep what was last seen (decaying towards the
+        priors instead, a rarely drafting controller would come to judge drafts by their
+        priors and start drafting again on no evidence)."""
+        results = list(results)
+        if not results:
+            return
         for counts in (*self._positions, self._found):
             counts.tried *= self.decay
             counts.accepted *= self.decay
