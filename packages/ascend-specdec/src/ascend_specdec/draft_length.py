@@ -99,11 +99,12 @@ class StepTimes:
             # A group's residuals are u - a v with u = s - n A, v = 1 - n B (its slope is
             # A - a B, A = sum ns / sum nn, B = sum n / sum nn): a = sum uv / sum vv.
             uv = vv = 0.0
-            for m, sum_s, sum_n, sum_ns, sum_nn, _ in self._sums.values():
+            lowest = math.inf
+            for m, sum_s, sum_n, sum_ns, sum_nn, cheapest in self._sums.values():
                 a, b = sum_ns / sum_nn, sum_n / sum_nn
                 uv += sum_s - b * sum_ns - a * sum_n + a * b * sum_nn
                 vv += m - 2 * b * sum_n + b * b * sum_nn
-            lowest = min((sums[5] for sums in self._sums.values()), default=0.0)
+                lowest = min(lowest, cheapest)
             self._fixed = min(max(uv / vv, 0.0), 0.9 * lowest) if vv > 1e-9 else 0.0
         return self._fixed
 
