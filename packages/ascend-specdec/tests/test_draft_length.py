@@ -94,34 +94,56 @@ def test_a_request_whose_drafts_are_rejected_drafts_less_than_one_whose_drafts_a
     assert controller.chain_probabilities("r0")[0] > controller.chain_probabilities("r7")[0]
 
 
-def explorations(chosen: list[int]) -> list[int]:
-    """The (1-based) steps where a run of length 1 starts after the calibration."""
-    return [i + 1 for i, k in enumerate(chosen)
-            if i > K and k == 1 and chosen[i - 1] != 1]
+def explorations(chosen: list[int], choice: int = 0) -> list[tuple[int, int]]:
+    """``(1-based step, length)`` where a run of a length other than ``choice`` starts after
+    the calibration."""
+    return [(i + 1, k) for i, k in enumerate(chosen)
+            if i > K and k != choice and chosen[i - 1] != k]
 
 
-def test_exploration_drafts_a_neighbouring_length_in_full():
+def test_exploration_drafts_every_other_length_in_full_in_turns():
     controller = DraftLengthController(max_k=K, explore_every=4, calibration_rounds=1)
     batch = ["a", "b"]
-    # Length 1 costs 10% more than length 0: within reach, looked at every 4th step.
+    # Each draft costs 10% more than none and none is accepted: length 1 is within 15% of
+    # length 0 (looked at every 4th step), lengths 2 and 3 are further (ever less often).
     chosen = served(controller, batch, {"a": 0, "b": 0}, lambda n, k: 0.01 * (1 + 0.1 * k),
                     steps=24)
-    assert set(chosen[K + 1:]) == {0, 1}
-    assert explorations(chosen) == [5, 9, 13, 17, 21]
-    assert [chosen[i] for i in (4, 5, 6)] == [1, 1, 0]  # two steps, then the choice again
-    # The step due to explore (the 25th): every request drafts in full.
-    controller._steps[StepTimes.bucket(2)] = 24
+    assert explorations(chosen) == [(5, 1), (9, 2), (13, 3), (17, 1), (21, 2)]
+    assert chosen[4:7] == [1, 1, 0]  # two steps, then the choice again
+    # The step due to explore (the 25th): lengths 1 and 3 are both due since step 21, and
+    # the nearer one is looked at, every request drafting in full.
     k_max, counts = controller.choose(batch)
     assert k_max == 1 and set(counts.values()) == {1}
 
 
-def test_a_neighbour_far_below_the_choice_is_explored_ever_less_often():
-    """Length 1 takes twice length 0's time and its drafts are never accepted: the gap
-    between looks at it doubles, up to 8 x explore_every."""
+def test_a_length_far_below_the_choice_is_explored_ever_less_often():
+    """Each draft doubles the step's time and none is accepted: the gap between looks at
+    each length doubles, up to 8 x explore_every; no look is due at step 29."""
     controller = DraftLengthController(max_k=K, explore_every=4, calibration_rounds=1)
     chosen = served(controller, ["a", "b"], {"a": 0, "b": 0}, lambda n, k: 0.01 * (1 + k),
                     steps=100)
-    assert explorations(chosen) == [5, 13, 29, 61, 93]
+    assert explorations(chosen) == [
+        (5, 1), (9, 2), (13, 3), (17, 1), (21, 2), (25, 3), (33, 1), (37, 2), (41, 3),
+        (65, 1), (69, 2), (73, 3), (97, 1)]
+
+
+def test_a_longer_length_is_found_past_a_neighbour_that_loses():
+    """One draft loses to none (the proposer's pass costs the same for one draft as for
+    three) while three win, and the first steps of lengths 2 and 3 were slow (one-off
+    costs at start-up). Looking only at the neighbour of the choice, the controller would
+    keep length 0; every length is looked at again, and length 3 is found."""
+    first = set()
+
+    def seconds(n, k):
+        slow = k >= 2 and k not in first
+        first.add(k)
+        return 0.03 if slow else {0: 0.010, 1: 0.016, 2: 0.0165, 3: 0.017}[k]
+
+    controller = DraftLengthController(max_k=K, explore_every=4, calibration_rounds=1)
+    # One request accepts every draft, the other none: 1 / 1.5 / 2 / 2.5 tokens per step.
+    chosen = served(controller, ["a", "b"], {"a": K, "b": 0}, seconds, steps=60)
+    assert chosen[10] == 0  # after the calibration: length 0
+    assert chosen[-10:].count(K) >= 8, chosen
 
 
 def test_min_and_max_bound_every_choice():

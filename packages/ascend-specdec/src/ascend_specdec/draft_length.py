@@ -19,10 +19,14 @@ much as the tokens it would have saved. ``DraftLengthController`` decides online
   step before it, so a step is timed only where both steps gave every request the same
   length (the caller's part, see ``observe_step``). The first
   steps in each range try every allowed length a few steps in a row (calibration on the real
-  traffic); afterwards every ``explore_every``-th step there starts two steps of a
-  neighbouring length, drafted in full, so a change in load is seen (less often, down to
-  every ``8 * explore_every``-th step, while the neighbour stays more than ``far_margin``
-  below the choice: each look costs what the neighbour loses).
+  traffic); afterwards every ``explore_every``-th step there starts two steps of another
+  length, drafted in full, so a change in load is seen: the one due longest ago, each
+  length looked at again after ``explore_every`` steps while it is within ``far_margin``
+  of the choice, after twice its last gap (up to ``8 * explore_every``) while it is further
+  below (each look costs what that length loses). Every length, not only the neighbours:
+  the step's cost is not convex in the length (a proposer's pass and the drafts' fetch
+  cost the same for one draft as for three), so one draft can lose to none where three
+  win.
 - **Yield, modelled**: the tokens a request emits per step at length ``k``, one plus the
   chances that its first ``1 .. k`` drafts are all accepted (the acceptance estimates above,
   from every verified draft, times the share of requests asked for drafts whose proposer
@@ -160,13 +164,14 @@ class DraftLengthController:
         # Of the requests asked for drafts, those whose proposer found some ("accepted").
         self._found = _Counts(1.0, 1.0)
         self._requests: dict[str, _Counts] = {}
-        # Per batch-size range: the lengths still to try at start-up, the steps seen, and
-        # the explorations: how many, the step of the next one, the steps between the last two.
+        # Per batch-size range: the lengths still to try at start-up, the steps seen and the
+        # step of the next exploration; per range and length: the step that length is due to
+        # be looked at again, and the steps between its last two looks.
         self._calibration: dict[int, list[int]] = {}
         self._steps: dict[int, int] = {}
-        self._explorations: dict[int, int] = {}
         self._next_explore: dict[int, int] = {}
-        self._explore_gap: dict[int, int] = {}
+        self._due: dict[tuple[int, int], int] = {}
+        self._explore_gap: dict[tuple[int, int], int] = {}
         # How often each k_max was chosen (the controller's histogram).
         self.chosen: dict[int, int] = {k: 0 for k in range(min_k, max_k + 1)}
 
@@ -299,27 +304,35 @@ class DraftLengthController:
             k_max = min((k for k, r in rates.items() if r >= best / (1 + self.margin)),
                         default=self.max_k)
             if self.explore_every and steps >= self._next_explore.setdefault(
-                    bucket, self.explore_every):
-                # A neighbouring length for two steps (the second one is timed), drafted in
-                # full by every request: its time and its acceptance are measured, not
-                # inferred from a choice that avoids them. Up and down in turns (up from the
-                # shortest); a neighbour that looked far worse than the choice is looked at
-                # again after twice the steps of the time before (up to 8x explore_every),
-                # one within reach after explore_every (each look costs time).
-                turn = self._explorations[bucket] = self._explorations.get(bucket, 0) + 1
-                up = k_max < self.max_k and (turn % 2 == 1 or k_max == self.min_k)
-                k_max = k_max + 1 if up else max(k_max - 1, self.min_k)
-                gap = self._explore_gap.get(bucket, self.explore_every)
-                far = rates.get(k_max, best) < best / (1 + self.far_margin)
-                gap = min(2 * gap, 8 * self.explore_every) if far else self.explore_every
-                self._explore_gap[bucket], self._next_explore[bucket] = gap, steps + gap
-                todo.append(k_max)
+                    bucket, self.explore_every) and (
+                    explored := self._explore(bucket, steps, k_max, rates, best)) is not None:
+                k_max = explored
+                todo.append(k_max)  # two steps of it: the second one is timed
                 counts = {r: k_max for r in req_ids}
             elif self.ragged:
                 counts = self._per_request(req_ids, k_max, expected[k_max])
             else:
                 counts = {r: k_max for r in req_ids}
         return k_max, counts
+
+    def _explore(self, bucket: int, steps: int, choice: int, rates: dict[int, float],
+                 best: float) -> int | None:
+        """The length to look at in this step instead of ``choice`` (drafted in full by
+        every request: its time and its acceptance are measured, not inferred from a choice
+        that avoids them), or None where none is due. Of the lengths due, the one due
+        longest ago (of those due as long, the nearest to the choice)."""
+        due = [(self._due.get((bucket, k), 0), abs(k - choice), k)
+               for k in range(self.min_k, self.max_k + 1) if k != choice]
+        due = [entry for entry in due if entry[0] <= steps]
+        if not due:
+            return None
+        k = min(due)[2]
+        gap = self._explore_gap.get((bucket, k), self.explore_every)
+        far = rates.get(k, best) < best / (1 + self.far_margin)
+        gap = min(2 * gap, 8 * self.explore_every) if far else self.explore_every
+        self._explore_gap[bucket, k], self._due[bucket, k] = gap, steps + gap
+        self._next_explore[bucket] = steps + self.explore_every
+        return k
 
     def _per_request(self, req_ids: list[str], k_max: int, expected: float
                      ) -> dict[str, int]:
