@@ -11,8 +11,15 @@ round of a load level saw the same machine. Each round starts once the servers' 
 sleep: a vLLM worker spins on its queue for ``busy_loop_s`` (1 s) after its engine's last
 step, and without the wait the previous round's server took a large share of the 2 cores
 from the next round's first second (an ad-hoc /proc look, not stored: late first tokens).
-A round sends N streamed greedy completions of held-out prompts at once through the
-``openai`` client (N = 1, 4, 16, 64; ``max_tokens`` 128, end of sequence ignored); before
+A round is N concurrent clients (N = 1, 4, 16, 64), each sending ``--requests-per-client``
+streamed greedy completions of held-out prompts one after another through the ``openai``
+client, the next as soon as the one before finished (the load of vLLM's serving benchmark
+with ``--max-concurrency N``; ``max_tokens`` 128, end of sequence ignored). With one request
+per client a round is one closed batch, and its time is that of its slowest request: under
+speculation requests advance at different speeds, so the batch's tail runs at small batch
+sizes that a steady load does not have (an ad-hoc look, n-gram at N = 16, not stored:
+fixed length 2 over no speculation 0.82 with one request per client, 1.14 with three).
+Before
 the counted rounds each server gets one uncounted round at that N (first requests pay
 one-off costs, and the controller calibrates each batch-size range on its first steps
 there). Per setup and N: output throughput (tokens over the round's wall time, median of
@@ -27,7 +34,8 @@ speculation and fixed k = 3 for the same method.
 Results: ``benchmarks/results/draft_length.json`` and ``draft_length.md`` (``--name`` gives
 another file name, for a run of some methods only).
 
-    python benchmarks/bench_draft_length.py [--rounds 6] [--methods ngram,suffix,medusa,eagle]
+    python benchmarks/bench_draft_length.py [--rounds 3] [--requests-per-client 2]
+        [--methods ngram,suffix,medusa,eagle]
     python benchmarks/bench_draft_length.py --render   # the .md again from the stored .json
 """
 
@@ -80,7 +88,8 @@ def method_setups(method: str, model: str) -> dict[str, list[str]]:
             for name, dynamic in ((f"{method} k={K}", False), (f"{method} dynamic", True))}
 
 
-async def one_round(url: str, model: str, prompts: list[str]) -> dict:
+async def one_round(url: str, model: str, prompts: list[str], clients: int | None = None
+                    ) -> dict:
     from openai import AsyncOpenAI
 
     async def one(client, prompt: str) -> dict:
@@ -101,15 +110,21 @@ async def one_round(url: str, model: str, prompts: list[str]) -> dict:
 
     async with AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
                            max_retries=0) as client:
+        async def client_loop(mine: list[str]) -> list[dict]:
+            return [await one(client, p) for p in mine]
+
+        clients = clients or len(prompts)
         started = time.perf_counter()
-        results = await asyncio.gather(*(one(client, p) for p in prompts))
+        per_client = await asyncio.gather(*(client_loop(prompts[i::clients])
+                                            for i in range(clients)))
         seconds = time.perf_counter() - started
+        results = [r for mine in per_client for r in mine]
     return {"seconds": seconds, "tokens": sum(r["tokens"] for r in results),
             "ttft": [r["ttft"] for r in results], "itl": [r["itl"] for r in results]}
 
 
 def measure(urls: dict[str, str], model: str, prompts: list[str], rounds: int,
-            record: dict, turns: dict, lengths: dict) -> None:
+            requests_per_client: int, record: dict, turns: dict, lengths: dict) -> None:
     """Every N: one uncounted round per server, then ``rounds`` counted ones in turns;
     ``record`` by (setup, N), ``turns`` (this method's) by N and setup, ``lengths`` (this
     method's) by N: the draft lengths its dynamic server verified requests with in the
@@ -120,7 +135,8 @@ def measure(urls: dict[str, str], model: str, prompts: list[str], rounds: int,
 
     def run(url: str, n: int) -> dict:
         time.sleep(gap)
-        return asyncio.run(one_round(url, model, prompts[:n]))
+        sent = [prompts[i % len(prompts)] for i in range(n * requests_per_client)]
+        return asyncio.run(one_round(url, model, sent, clients=n))
 
     for n in CONCURRENCY:
         for url in urls.values():
@@ -145,7 +161,9 @@ def measure(urls: dict[str, str], model: str, prompts: list[str], rounds: int,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=6, help="counted rounds per setup and N")
+    parser.add_argument("--rounds", type=int, default=3, help="counted rounds per setup and N")
+    parser.add_argument("--requests-per-client", type=int, default=2,
+                        help="requests each of the N clients sends in a round, one after another")
     parser.add_argument("--methods", default="ngram,suffix,medusa,eagle")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite the .md (and the pass line) from the stored .json")
@@ -176,7 +194,7 @@ def main() -> int:
                             model, extra_args=extra, log_path=f"{logs}/{name}.log"))
                         for name, extra in method_setups(method, model).items()}
                 measure({"no speculation": plain, **urls}, model, prompts, args.rounds,
-                        rounds, turns.setdefault(method, {}),
+                        args.requests_per_client, rounds, turns.setdefault(method, {}),
                         lengths_per_n.setdefault(method, {}))
                 for name, url in urls.items():
                     counters[name] = counter_totals(url, COUNTERS)
@@ -187,7 +205,8 @@ def main() -> int:
     results = {
         "machine": host_machine.describe(),
         "load": {"concurrency": list(CONCURRENCY), "max_tokens": MAX_TOKENS,
-                 "rounds": args.rounds, "k": K},
+                 "rounds": args.rounds, "requests_per_client": args.requests_per_client,
+                 "k": K},
         "setups": {name: {str(n): summary(rounds[(name, n)]) for n in CONCURRENCY}
                    for name in names},
         "turns": turns,
@@ -253,8 +272,10 @@ def markdown(results: dict) -> str:
         "",
         f"Machine: {results['machine']}. Written by `benchmarks/bench_draft_length.py`.",
         "",
-        f"pycoder-26m in bf16; a round sends N streamed greedy completions of held-out "
-        f"prompts at once through the `openai` client ({load['max_tokens']} tokens each); "
+        f"pycoder-26m in bf16; a round is N concurrent clients, each sending "
+        f"{load.get('requests_per_client', 1)} streamed greedy completion(s) of held-out "
+        f"prompts one after another through the `openai` client ({load['max_tokens']} "
+        "tokens each); "
         f"{load['rounds']} counted rounds per setup and N (after one uncounted), taken in turns "
         "(no speculation, k=3, dynamic) with the no-speculation server and the method's two "
         "up on the same cores, each round started 1.5 s after the one before (when that "

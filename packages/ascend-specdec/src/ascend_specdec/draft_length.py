@@ -33,13 +33,13 @@ much as the tokens it would have saved. ``DraftLengthController`` decides online
   found any: n-gram and suffix often find none). Counting tokens per step instead would be
   far noisier: a step's yield swings with the text.
 - **Choice**: the length with the most expected tokens per second of request time in this
-  batch-size range (the shortest one within ``margin`` of it, so noise buys no drafts; a
-  length's time is at least the longest time recorded for a shorter length, since scoring
-  more drafts never takes less time). Then
-  each request keeps a draft only while the chance that it and the ones before it are
-  accepted is worth its share of the step's extra time at the step's rate, so requests whose
-  drafts are rarely accepted draft fewer. ``k_max`` is what the proposer drafts; each
-  request's own count is at most that.
+  batch-size range (the shortest one within ``margin`` of it, so noise buys no drafts).
+  Each length at its own measured time, not one bounded by a shorter length's: a step
+  that scores more drafts can take less time (measured on the host: Medusa at batch 1
+  stepped faster at length 3 than at length 1). Then each request gets the length the same
+  rule picks with its own acceptance in place of the global one, at most the step's, so
+  requests whose drafts are rarely accepted draft fewer. ``k_max`` is what the proposer
+  drafts; each request's own count is at most that.
 
 Greedy outputs do not depend on the count (verification is exact); the sampled path keeps
 the target distribution for any count. Pure Python: no torch, no vLLM.
@@ -239,11 +239,7 @@ class DraftLengthController:
         """``[k]``: the tokens a request emits in a step that verifies ``k`` drafts (global
         rates), for k from 0 to ``max_k``: the bonus token and each draft whose predecessors
         were accepted with it, where its proposer finds drafts."""
-        found = self._found.accepted / self._found.tried
-        expected = [1.0]
-        for p in self.chain_probabilities():
-            expected.append(expected[-1] + found * p)
-        return expected
+        return _expected(self.chain_probabilities(), self._found.accepted / self._found.tried)
 
     def chain_probabilities(self, req_id: str | None = None) -> list[float]:
         """``p[j-1]``: the chance the request's first ``j`` drafts are all accepted."""
@@ -291,18 +287,10 @@ class DraftLengthController:
             k_max = todo.pop(0)
             counts = {r: k_max for r in req_ids}
         else:
-            expected = self.expected_tokens()
-            # Scoring more drafts never takes less time: a length recorded as cheaper than a
-            # shorter one (noise on a shared machine) is judged at the shorter one's time.
-            rates, floor = {}, 0.0
-            for k in range(self.min_k, self.max_k + 1):
-                if seconds := self.times.per_request(len(req_ids), k):
-                    floor = max(floor, seconds)
-                    rates[k] = expected[k] / floor
-            # The shortest length within ``margin`` of the best: drafting on noise costs.
-            best = max(rates.values(), default=0.0)
-            k_max = min((k for k, r in rates.items() if r >= best / (1 + self.margin)),
-                        default=self.max_k)
+            found = self._found.accepted / self._found.tried
+            seconds = {k: t for k in range(self.min_k, self.max_k + 1)
+                       if (t := self.times.per_request(len(req_ids), k))}
+            k_max, rates, best = self._pick(self.chain_probabilities(), found, seconds)
             if self.explore_every and steps >= self._next_explore.setdefault(
                     bucket, self.explore_every) and (
                     explored := self._explore(bucket, steps, k_max, rates, best)) is not None:
@@ -310,7 +298,7 @@ class DraftLengthController:
                 todo.append(k_max)  # two steps of it: the second one is timed
                 counts = {r: k_max for r in req_ids}
             elif self.ragged:
-                counts = self._per_request(req_ids, k_max, expected[k_max])
+                counts = self._per_request(req_ids, k_max, found, seconds)
             else:
                 counts = {r: k_max for r in req_ids}
         return k_max, counts
@@ -334,24 +322,34 @@ class DraftLengthController:
         self._next_explore[bucket] = steps + self.explore_every
         return k
 
-    def _per_request(self, req_ids: list[str], k_max: int, expected: float
-                     ) -> dict[str, int]:
-        """Each request's drafts, in order, while a draft's chance of acceptance is worth
-        the time it adds: a request-step's extra time per draft at ``k_max`` over the base
-        length, at that length's rate (``expected`` tokens per request-step)."""
-        counts = {r: k_max for r in req_ids}
-        batch = len(req_ids)
-        base = self.times.per_request(batch, self.min_k)
-        full = self.times.per_request(batch, k_max)
-        if k_max <= self.min_k or not base or not full or full <= base:
-            return counts
-        per_draft = (full - base) / (k_max - self.min_k)
-        threshold = per_draft * expected / full
+    def _per_request(self, req_ids: list[str], k_max: int, found: float,
+                     seconds: dict[int, float]) -> dict[str, int]:
+        """Each request's count: the length :meth:`_pick` gives for its own acceptance (its
+        rate against the global one), at most ``k_max``. Where every request accepts as the
+        whole batch does, that is ``k_max`` for all."""
         rates, overall = self.position_rates(), self._global_rate()  # once per step
-        for r in req_ids:
-            chain = self._chain(r, rates, overall)
-            keep = self.min_k
-            while keep < k_max and chain[keep] >= threshold:
-                keep += 1
-            counts[r] = keep
-        return counts
+        return {r: min(k_max, self._pick(self._chain(r, rates, overall), found, seconds)[0])
+                for r in req_ids}
+
+    def _pick(self, chain: list[float], found: float, seconds: dict[int, float]
+              ) -> tuple[int, dict[int, float], float]:
+        """``(length, {length: expected tokens per second of request time}, the best of
+        those)`` for requests whose first ``j`` drafts are all accepted with ``chain[j - 1]``
+        where their proposer finds drafts (a ``found`` share of them); ``seconds``: each
+        timed length's time per request. The shortest length within ``margin`` of the best
+        (drafting on noise costs); ``max_k`` before any length is timed."""
+        expected = _expected(chain, found)
+        rates = {k: expected[k] / t for k, t in seconds.items()}
+        best = max(rates.values(), default=0.0)
+        pick = min((k for k, r in rates.items() if r >= best / (1 + self.margin)),
+                   default=self.max_k)
+        return pick, rates, best
+
+
+def _expected(chain: list[float], found: float) -> list[float]:
+    """Tokens per request-step at each length from 0: the bonus token, and each draft with
+    its chance that it and those before it are accepted, where drafts are found."""
+    expected = [1.0]
+    for p in chain:
+        expected.append(expected[-1] + found * p)
+    return expected
