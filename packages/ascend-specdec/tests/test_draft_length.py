@@ -96,11 +96,10 @@ def test_a_request_whose_drafts_are_rejected_drafts_less_than_one_whose_drafts_a
     assert controller.chain_probabilities("r0")[0] > controller.chain_probabilities("r7")[0]
 
 
-def explorations(chosen: list[int], choice: int = 0) -> list[tuple[int, int]]:
-    """``(1-based step, length)`` where a run of a length other than ``choice`` starts after
-    the calibration."""
-    return [(i + 1, k) for i, k in enumerate(chosen)
-            if i > K and k != choice and chosen[i - 1] != k]
+def explorations(chosen: list[int]) -> list[tuple[int, int]]:
+    """``(1-based step, length)`` where a run of a length other than 0 (the choice) starts
+    after the calibration."""
+    return [(i + 1, k) for i, k in enumerate(chosen) if i > K and k and chosen[i - 1] != k]
 
 
 def test_exploration_drafts_every_other_length_in_full_in_turns():
