@@ -17,8 +17,9 @@ client, the next as soon as the one before finished (the load of vLLM's serving 
 with ``--max-concurrency N``; ``max_tokens`` 128, end of sequence ignored). With one request
 per client a round is one closed batch, and its time is that of its slowest request: under
 speculation requests advance at different speeds, so the batch's tail runs at small batch
-sizes that a steady load does not have (an ad-hoc look, n-gram at N = 16, not stored:
-fixed length 2 over no speculation 0.82 with one request per client, 1.14 with three).
+sizes that a steady load does not have (n-gram k = 3 over no speculation at N = 16: 0.77
+with one request per client, ``results/draft_length_rounds.md``; 1.14 with two,
+``results/draft_length.md``).
 Before
 the counted rounds each server gets one uncounted round at that N (first requests pay
 one-off costs, and the controller calibrates each batch-size range on its first steps
@@ -88,8 +89,9 @@ def method_setups(method: str, model: str) -> dict[str, list[str]]:
             for name, dynamic in ((f"{method} k={K}", False), (f"{method} dynamic", True))}
 
 
-async def one_round(url: str, model: str, prompts: list[str], clients: int | None = None
-                    ) -> dict:
+async def one_round(url: str, model: str, prompts: list[str], clients: int) -> dict:
+    """``clients`` concurrent clients, client ``i`` sending ``prompts[i::clients]`` one after
+    another."""
     from openai import AsyncOpenAI
 
     async def one(client, prompt: str) -> dict:
@@ -113,7 +115,6 @@ async def one_round(url: str, model: str, prompts: list[str], clients: int | Non
         async def client_loop(mine: list[str]) -> list[dict]:
             return [await one(client, p) for p in mine]
 
-        clients = clients or len(prompts)
         started = time.perf_counter()
         per_client = await asyncio.gather(*(client_loop(prompts[i::clients])
                                             for i in range(clients)))

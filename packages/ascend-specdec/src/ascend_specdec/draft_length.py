@@ -239,7 +239,11 @@ class DraftLengthController:
         """``[k]``: the tokens a request emits in a step that verifies ``k`` drafts (global
         rates), for k from 0 to ``max_k``: the bonus token and each draft whose predecessors
         were accepted with it, where its proposer finds drafts."""
-        return _expected(self.chain_probabilities(), self._found.accepted / self._found.tried)
+        return _expected(self.chain_probabilities(), self._found_share())
+
+    def _found_share(self) -> float:
+        """Of the requests asked for drafts, the share whose proposer found any."""
+        return self._found.accepted / self._found.tried
 
     def chain_probabilities(self, req_id: str | None = None) -> list[float]:
         """``p[j-1]``: the chance the request's first ``j`` drafts are all accepted."""
@@ -287,10 +291,12 @@ class DraftLengthController:
             k_max = todo.pop(0)
             counts = {r: k_max for r in req_ids}
         else:
-            found = self._found.accepted / self._found.tried
+            found = self._found_share()
             seconds = {k: t for k in range(self.min_k, self.max_k + 1)
                        if (t := self.times.per_request(len(req_ids), k))}
-            k_max, rates, best = self._pick(self.chain_probabilities(), found, seconds)
+            positions, overall = self.position_rates(), self._global_rate()  # once per step
+            k_max, rates, best = self._pick(self._chain(None, positions, overall), found,
+                                            seconds)
             if self.explore_every and steps >= self._next_explore.setdefault(
                     bucket, self.explore_every) and (
                     explored := self._explore(bucket, steps, k_max, rates, best)) is not None:
@@ -298,7 +304,10 @@ class DraftLengthController:
                 todo.append(k_max)  # two steps of it: the second one is timed
                 counts = {r: k_max for r in req_ids}
             elif self.ragged:
-                counts = self._per_request(req_ids, k_max, found, seconds)
+                # Each request: the length the same rule picks with its own acceptance, at
+                # most the step's (requests that accept as the batch does keep k_max).
+                counts = {r: min(k_max, self._pick(self._chain(r, positions, overall), found,
+                                                   seconds)[0]) for r in req_ids}
             else:
                 counts = {r: k_max for r in req_ids}
         return k_max, counts
@@ -321,15 +330,6 @@ class DraftLengthController:
         self._explore_gap[bucket, k], self._due[bucket, k] = gap, steps + gap
         self._next_explore[bucket] = steps + self.explore_every
         return k
-
-    def _per_request(self, req_ids: list[str], k_max: int, found: float,
-                     seconds: dict[int, float]) -> dict[str, int]:
-        """Each request's count: the length :meth:`_pick` gives for its own acceptance (its
-        rate against the global one), at most ``k_max``. Where every request accepts as the
-        whole batch does, that is ``k_max`` for all."""
-        rates, overall = self.position_rates(), self._global_rate()  # once per step
-        return {r: min(k_max, self._pick(self._chain(r, rates, overall), found, seconds)[0])
-                for r in req_ids}
 
     def _pick(self, chain: list[float], found: float, seconds: dict[int, float]
               ) -> tuple[int, dict[int, float], float]:
