@@ -1,0 +1,73 @@
+"""The draft-length benchmark's load: N concurrent clients, each sending its requests one
+after another (``--requests-per-client``), against a stand-in for the ``openai`` client."""
+
+import asyncio
+import sys
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_draft_length  # noqa: E402
+
+
+class _Chunk:
+    def __init__(self, text=None, tokens=None):
+        self.choices = [types.SimpleNamespace(text=text)] if text else []
+        self.usage = types.SimpleNamespace(completion_tokens=tokens) if tokens else None
+
+
+class _Server:
+    """Streams three tokens per request; records the prompts in order and the most
+    requests in flight at once."""
+
+    def __init__(self):
+        self.sent, self.in_flight, self.most = [], 0, 0
+
+    async def stream(self, prompt):
+        self.sent.append(prompt)
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        for _ in range(3):
+            await asyncio.sleep(0.001)
+            yield _Chunk(text="x")
+        self.in_flight -= 1
+        yield _Chunk(tokens=3)
+
+
+def _fake_openai(monkeypatch, server):
+    class Completions:
+        async def create(self, *, prompt, **_):
+            return server.stream(prompt)
+
+    class AsyncOpenAI:
+        def __init__(self, **_):
+            self.completions = Completions()
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+    monkeypatch.setitem(sys.modules, "openai", types.SimpleNamespace(AsyncOpenAI=AsyncOpenAI))
+
+
+def test_each_client_sends_its_requests_one_after_another(monkeypatch):
+    server = _Server()
+    _fake_openai(monkeypatch, server)
+    prompts = [f"p{i}" for i in range(6)]
+    result = asyncio.run(bench_draft_length.one_round("http://x", "m", prompts, clients=2))
+    assert server.most == 2  # never more requests in flight than clients
+    assert sorted(server.sent) == prompts and result["tokens"] == 18
+    # Client 0 sends p0, p2, p4 in that order, client 1 p1, p3, p5.
+    assert [p for p in server.sent if p in ("p0", "p2", "p4")] == ["p0", "p2", "p4"]
+    assert [p for p in server.sent if p in ("p1", "p3", "p5")] == ["p1", "p3", "p5"]
+    assert len(result["ttft"]) == 6
+
+
+def test_one_request_per_client_is_one_closed_batch(monkeypatch):
+    server = _Server()
+    _fake_openai(monkeypatch, server)
+    asyncio.run(bench_draft_length.one_round("http://x", "m", ["a", "b", "c"], clients=3))
+    assert server.most == 3
