@@ -96,6 +96,40 @@ def test_a_request_whose_drafts_are_rejected_drafts_less_than_one_whose_drafts_a
     assert controller.chain_probabilities("r0")[0] > controller.chain_probabilities("r7")[0]
 
 
+@pytest.mark.parametrize("costly", ["the proposer's pass", "each verified draft"])
+def test_a_requests_drafts_are_trimmed_by_what_one_more_draft_costs(costly):
+    """n-gram under load on the host (an ad-hoc look): the proposer's pass costs most of
+    what a length costs over length 0 and each verified draft little, and trimming the
+    drafts of requests that accepted less than the batch lost tokens for nothing (their
+    drafts were scored almost for free, the pass ran anyway). A request whose drafts are
+    accepted a third of the time keeps them where a draft costs little to verify (each
+    length on its own would lose to length 0 for it: the old per-request rule) and loses
+    them where each draft costs much."""
+    if costly == "the proposer's pass":
+        def per_request(k):
+            return 0.001 if k == 0 else 0.0016 + 0.00002 * k
+    else:
+        def per_request(k):
+            return 0.001 + 0.0004 * k
+    batch = ["g0", "g1", "g2", "poor"]
+    controller = DraftLengthController(max_k=K, explore_every=0, calibration_rounds=1)
+    good = [(r, 3, 3) for r in batch[:3]]
+    controller.observe_verification([*good, ("poor", 3, 1)] * 20 + [*good, ("poor", 3, 0)] * 20)
+    for _ in range(K + 1):  # calibration: one step of each length
+        k_max, _ = controller.choose(batch)
+        controller.observe_step(len(batch), k_max, len(batch) * per_request(k_max))
+    own = [1.0]
+    for p in controller.chain_probabilities("poor"):
+        own.append(own[-1] + p)
+    k_max, counts = controller.choose(batch)
+    assert k_max == K and all(counts[r] == K for r in batch[:3])
+    if costly == "the proposer's pass":
+        assert all(own[k] / per_request(k) < 1 / per_request(0) for k in range(1, K + 1))
+        assert counts["poor"] == K
+    else:
+        assert counts["poor"] == 0
+
+
 def explorations(chosen: list[int]) -> list[tuple[int, int]]:
     """``(1-based step, length)`` where a run of a length other than 0 (the choice) starts
     after the calibration."""

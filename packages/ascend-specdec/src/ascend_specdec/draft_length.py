@@ -36,10 +36,14 @@ much as the tokens it would have saved. ``DraftLengthController`` decides online
   batch-size range (the shortest one within ``margin`` of it, so noise buys no drafts).
   Each length at its own measured time, not one bounded by a shorter length's: a step
   that scores more drafts can take less time (measured on the host: Medusa at batch 1
-  stepped faster at length 3 than at length 1). Then each request gets the length the same
-  rule picks with its own acceptance in place of the global one, at most the step's, so
-  requests whose drafts are rarely accepted draft fewer. ``k_max`` is what the proposer
-  drafts; each request's own count is at most that.
+  stepped faster at length 3 than at length 1). Then each request keeps the drafts, up to
+  the step's length, whose own expected tokens (its acceptance in place of the global one)
+  per second of verification beat the step's tokens per second: a draft's cost there is
+  the time one more verified draft adds to a request (the slope of the time over the
+  lengths from 1), not a share of the proposer's pass, which the step runs anyway. So
+  requests whose drafts are rarely accepted draft fewer, and where drafts cost nothing to
+  verify every request keeps them. ``k_max`` is what the proposer drafts; each request's
+  own count is at most that.
 
 Greedy outputs do not depend on the count (verification is exact); the sampled path keeps
 the target distribution for any count. Pure Python: no torch, no vLLM.
@@ -303,12 +307,15 @@ class DraftLengthController:
                 k_max = explored
                 todo.append(k_max)  # two steps of it: the second one is timed
                 counts = {r: k_max for r in req_ids}
-            elif self.ragged:
-                # Each request: the length the same rule picks with its own acceptance, at
-                # most the step's (requests that accept as the batch does keep k_max).
-                counts = {r: min(k_max, self._pick(self._chain(r, positions, overall), found,
-                                                   seconds)[0]) for r in req_ids}
-            else:
+            elif self.ragged and (draft_cost := _draft_seconds(seconds)) is not None:
+                # Each request: the drafts whose expected tokens per second of verification
+                # beat the step's rate, at most k_max (requests that accept as the batch
+                # does keep k_max).
+                bar = rates[k_max] * draft_cost
+                counts = {r: max(self.min_k, sum(found * p >= bar for p in
+                                                 self._chain(r, positions, overall)[:k_max]))
+                          for r in req_ids}
+            else:  # one length for all, or no draft's own cost known yet
                 counts = {r: k_max for r in req_ids}
         return k_max, counts
 
@@ -344,6 +351,21 @@ class DraftLengthController:
         pick = min((k for k, r in rates.items() if r >= best / (1 + self.margin)),
                    default=self.max_k)
         return pick, rates, best
+
+
+def _draft_seconds(seconds: dict[int, float]) -> float | None:
+    """The time per request that one more verified draft adds, at least 0: the least-squares
+    slope of the time per request over the timed lengths from 1 (the proposer's pass, which
+    length 0 skips and every other length pays alike, is left out: trimming one request's
+    drafts does not save it), or None with fewer than two of them."""
+    points = [(k, t) for k, t in seconds.items() if k > 0]
+    if len(points) < 2:
+        return None
+    mean_k = sum(k for k, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    slope = (sum((k - mean_k) * (t - mean_t) for k, t in points)
+             / sum((k - mean_k) ** 2 for k, _ in points))
+    return max(slope, 0.0)
 
 
 def _expected(chain: list[float], found: float) -> list[float]:
