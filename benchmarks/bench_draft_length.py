@@ -18,7 +18,7 @@ with ``--max-concurrency N``; ``max_tokens`` 128, end of sequence ignored). With
 per client a round is one closed batch, and its time is that of its slowest request: under
 speculation requests advance at different speeds, so the batch's tail runs at small batch
 sizes that a steady load does not have (n-gram k = 3 over no speculation at N = 16: 0.77
-with one request per client, ``results/draft_length_rounds.md``; 1.14 with two,
+with one request per client, ``results/draft_length_rounds.md``; 1.08 with two,
 ``results/draft_length.md``).
 Before
 the counted rounds each server gets one uncounted round at that N (first requests pay
