@@ -310,7 +310,7 @@ class DraftLengthController:
             elif self.ragged and (draft_cost := _draft_seconds(seconds)) is not None:
                 # Each request: the drafts whose expected tokens per second of verification
                 # beat the step's rate, at most k_max (requests that accept as the batch
-                # does keep k_max).
+                # does keep k_max); its chain only falls, so those are its first drafts.
                 bar = rates[k_max] * draft_cost
                 counts = {r: max(self.min_k, sum(found * p >= bar for p in
                                                  self._chain(r, positions, overall)[:k_max]))
