@@ -14,7 +14,9 @@ from the next round's first second (an ad-hoc /proc look, not stored: late first
 A round is N concurrent clients (N = 1, 4, 16, 64), each sending ``--requests-per-client``
 streamed greedy completions of held-out prompts one after another through the ``openai``
 client, the next as soon as the one before finished (the load of vLLM's serving benchmark
-with ``--max-concurrency N``; ``max_tokens`` 128, end of sequence ignored). With one request
+with ``--max-concurrency N``; ``max_tokens`` 128, end of sequence ignored; with
+``--max-tokens-spread S`` the requests' lengths are spread evenly over 128 +- S, so that a
+round's requests do not all end in the same step without speculation). With one request
 per client a round is one closed batch, and its time is that of its slowest request: under
 speculation requests advance at different speeds, so the batch's tail runs at small batch
 sizes that a steady load does not have (n-gram k = 3 over no speculation at N = 16: 0.77
@@ -36,7 +38,7 @@ Results: ``benchmarks/results/draft_length.json`` and ``draft_length.md`` (``--n
 another file name, for a run of some methods only).
 
     python benchmarks/bench_draft_length.py [--rounds 3] [--requests-per-client 2]
-        [--methods ngram,suffix,medusa,eagle]
+        [--methods ngram,suffix,medusa,eagle] [--max-tokens-spread 0] [--name draft_length]
     python benchmarks/bench_draft_length.py --render   # the .md again from the stored .json
 """
 
@@ -89,16 +91,28 @@ def method_setups(method: str, model: str) -> dict[str, list[str]]:
             for name, dynamic in ((f"{method} k={K}", False), (f"{method} dynamic", True))}
 
 
-async def one_round(url: str, model: str, prompts: list[str], clients: int) -> dict:
+def output_lengths(count: int, spread: int) -> list[int]:
+    """``max_tokens`` of a round's ``count`` requests: all ``MAX_TOKENS``, or with
+    ``spread`` evenly from ``MAX_TOKENS - spread`` to ``MAX_TOKENS + spread`` in the order
+    sent (so requests sent together differ in length)."""
+    if count <= 1 or spread == 0:
+        return [MAX_TOKENS] * count
+    return [MAX_TOKENS - spread + round(2 * spread * i / (count - 1)) for i in range(count)]
+
+
+async def one_round(url: str, model: str, prompts: list[str], clients: int,
+                    max_tokens: list[int] | None = None) -> dict:
     """``clients`` concurrent clients, client ``i`` sending ``prompts[i::clients]`` one after
-    another."""
+    another; ``max_tokens`` per prompt (default ``MAX_TOKENS`` each)."""
     from openai import AsyncOpenAI
 
-    async def one(client, prompt: str) -> dict:
+    lengths = max_tokens or [MAX_TOKENS] * len(prompts)
+
+    async def one(client, prompt: str, length: int) -> dict:
         sent = time.perf_counter()
         arrivals, tokens = [], 0
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+            model=model, prompt=prompt, max_tokens=length, temperature=0.0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.usage:
@@ -112,11 +126,12 @@ async def one_round(url: str, model: str, prompts: list[str], clients: int) -> d
 
     async with AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
                            max_retries=0) as client:
-        async def client_loop(mine: list[str]) -> list[dict]:
-            return [await one(client, p) for p in mine]
+        async def client_loop(mine: list[tuple[str, int]]) -> list[dict]:
+            return [await one(client, p, length) for p, length in mine]
 
+        sent = list(zip(prompts, lengths, strict=True))
         started = time.perf_counter()
-        per_client = await asyncio.gather(*(client_loop(prompts[i::clients])
+        per_client = await asyncio.gather(*(client_loop(sent[i::clients])
                                             for i in range(clients)))
         seconds = time.perf_counter() - started
         results = [r for mine in per_client for r in mine]
@@ -125,7 +140,8 @@ async def one_round(url: str, model: str, prompts: list[str], clients: int) -> d
 
 
 def measure(urls: dict[str, str], model: str, prompts: list[str], rounds: int,
-            requests_per_client: int, record: dict, turns: dict, lengths: dict) -> None:
+            requests_per_client: int, record: dict, turns: dict, lengths: dict,
+            spread: int = 0) -> None:
     """Every N: one uncounted round per server, then ``rounds`` counted ones in turns;
     ``record`` by (setup, N), ``turns`` (this method's) by N and setup, ``lengths`` (this
     method's) by N: the draft lengths its dynamic server verified requests with in the
@@ -137,7 +153,8 @@ def measure(urls: dict[str, str], model: str, prompts: list[str], rounds: int,
     def run(url: str, n: int) -> dict:
         time.sleep(gap)
         sent = [prompts[i % len(prompts)] for i in range(n * requests_per_client)]
-        return asyncio.run(one_round(url, model, sent, clients=n))
+        return asyncio.run(one_round(url, model, sent, clients=n,
+                                     max_tokens=output_lengths(len(sent), spread)))
 
     for n in CONCURRENCY:
         for url in urls.values():
@@ -165,12 +182,18 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="counted rounds per setup and N")
     parser.add_argument("--requests-per-client", type=int, default=2,
                         help="requests each of the N clients sends in a round, one after another")
+    parser.add_argument("--max-tokens-spread", type=int, default=0,
+                        help="requests' max_tokens spread evenly over 128 +- this (default 0: "
+                             "all 128, so without speculation a round's requests end together)")
     parser.add_argument("--methods", default="ngram,suffix,medusa,eagle")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite the .md (and the pass line) from the stored .json")
     parser.add_argument("--name", default="draft_length",
                         help="results file name under benchmarks/results (default draft_length)")
     args = parser.parse_args()
+    if not 0 <= args.max_tokens_spread < MAX_TOKENS:
+        parser.error(f"--max-tokens-spread is {args.max_tokens_spread}: a request's max_tokens "
+                     f"must stay positive, use 0 to {MAX_TOKENS - 1}")
     if args.render:
         results = json.loads((RESULTS / f"{args.name}.json").read_text())
         write(results, list(results["turns"]), args.name)
@@ -196,7 +219,7 @@ def main() -> int:
                         for name, extra in method_setups(method, model).items()}
                 measure({"no speculation": plain, **urls}, model, prompts, args.rounds,
                         args.requests_per_client, rounds, turns.setdefault(method, {}),
-                        lengths_per_n.setdefault(method, {}))
+                        lengths_per_n.setdefault(method, {}), args.max_tokens_spread)
                 for name, url in urls.items():
                     counters[name] = counter_totals(url, COUNTERS)
                 chosen[method] = histogram_counts(urls[f"{method} dynamic"],
@@ -206,6 +229,7 @@ def main() -> int:
     results = {
         "machine": host_machine.describe(),
         "load": {"concurrency": list(CONCURRENCY), "max_tokens": MAX_TOKENS,
+                 "max_tokens_spread": args.max_tokens_spread,
                  "rounds": args.rounds, "requests_per_client": args.requests_per_client,
                  "k": K},
         "setups": {name: {str(n): summary(rounds[(name, n)]) for n in CONCURRENCY}
@@ -276,8 +300,10 @@ def markdown(results: dict) -> str:
         f"pycoder-26m in bf16; a round is N concurrent clients, each sending "
         f"{load.get('requests_per_client', 1)} streamed greedy completion(s) of held-out "
         f"prompts one after another through the `openai` client ({load['max_tokens']} "
-        "tokens each); "
-        f"{load['rounds']} counted rounds per setup and N (after one uncounted), taken in turns "
+        + ("tokens each); " if not load.get("max_tokens_spread") else
+           f"+- {load['max_tokens_spread']} tokens, spread evenly over a round's requests in "
+           "the order sent); ")
+        + f"{load['rounds']} counted rounds per setup and N (after one uncounted), taken in turns "
         "(no speculation, k=3, dynamic) with the no-speculation server and the method's two "
         "up on the same cores, each round started 1.5 s after the one before (when that "
         "server's worker has stopped spinning). Throughput: median of rounds; TTFT and ITL: "
