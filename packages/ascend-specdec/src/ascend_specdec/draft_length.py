@@ -358,14 +358,11 @@ def _draft_seconds(seconds: dict[int, float]) -> float | None:
     slope of the time per request over the timed lengths from 1 (the proposer's pass, which
     length 0 skips and every other length pays alike, is left out: trimming one request's
     drafts does not save it), or None with fewer than two of them."""
-    points = [(k, t) for k, t in seconds.items() if k > 0]
-    if len(points) < 2:
+    lengths = [k for k in seconds if k > 0]
+    if len(lengths) < 2:
         return None
-    mean_k = sum(k for k, _ in points) / len(points)
-    mean_t = sum(t for _, t in points) / len(points)
-    slope = (sum((k - mean_k) * (t - mean_t) for k, t in points)
-             / sum((k - mean_k) ** 2 for k, _ in points))
-    return max(slope, 0.0)
+    fit = statistics.linear_regression(lengths, [seconds[k] for k in lengths])
+    return max(fit.slope, 0.0)
 
 
 def _expected(chain: list[float], found: float) -> list[float]:
