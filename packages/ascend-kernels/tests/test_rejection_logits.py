@@ -1,15 +1,17 @@
 """rejection_sample_from_logits: the same acceptance as the per-position ops, recovered tokens
-by inverse CDF of max(p - q, 0), ragged layout, greedy rows left alone, input checks."""
+drawn from max(p - q, 0) (candidates from p, or the residual's inverse CDF), ragged layout,
+greedy rows left alone, input checks."""
 
 import pytest
 import torch
 
 from ascend_kernels.rejection import (
     PLACEHOLDER_TOKEN_ID,
-    generate_uniform_probs,
     rejection_random_sample,
 )
 from ascend_kernels.rejection_logits import (
+    _CANDIDATES,
+    RECOVERY_DRAWS,
     _inverse_cdf,
     generate_recovery_uniforms,
     rejection_sample_from_logits,
@@ -27,7 +29,7 @@ def case(seed, lengths, vocab=40, with_draft_probs=True):
     drafts = torch.randint(0, vocab, (tokens,), generator=g, dtype=torch.int32)
     bonus = torch.randint(0, vocab, (len(lengths),), generator=g)
     uniform = torch.rand(tokens, generator=g, dtype=torch.float64)
-    recovery = torch.rand(len(lengths), generator=g, dtype=torch.float64)
+    recovery = torch.rand(len(lengths), RECOVERY_DRAWS, generator=g, dtype=torch.float64)
     return cu, drafts, draft_probs, logits, bonus, uniform, recovery
 
 
@@ -60,10 +62,21 @@ def test_acceptance_equals_the_per_position_op(with_draft_probs):
     assert 0 < sum(accepted_counts(ours)) < sum(lengths)  # both outcomes occurred
 
 
-def test_recovered_token_is_the_inverse_cdf_of_the_residual():
-    lengths = [2, 3, 1, 4]
+def draw(weights: torch.Tensor, u: float) -> int:
+    """The inverse-CDF draw from ``weights`` at ``u``, by one running sum in float64."""
+    cdf = weights.double().cumsum(0)
+    return int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64),
+                                  right=True))
+
+
+@pytest.mark.parametrize("refuse_every_candidate", [False, True])
+def test_recovered_token_is_the_first_kept_candidate_or_the_residuals_draw(
+        refuse_every_candidate):
+    lengths = [2, 3, 1, 4, 3, 2]
     cu, drafts, draft_probs, logits, bonus, uniform, recovery = case(2, lengths)
     uniform.fill_(1.0 - 1e-12)  # every first draft with p < q rejects
+    if refuse_every_candidate:  # u * p(y) < p(y) - q(y) never holds: the residual's draw
+        recovery[:, _CANDIDATES:2 * _CANDIDATES] = 1.0 - 1e-12
     out = rejection_sample_from_logits(cu, drafts, draft_probs, logits, bonus, uniform,
                                        recovery, 4)
     starts = [0] + cu.tolist()[:-1]
@@ -73,15 +86,56 @@ def test_recovered_token_is_the_inverse_cdf_of_the_residual():
         if accepted == lengths[row]:
             continue
         flat = start + accepted
-        residual = (logits[flat].softmax(-1).double() - draft_probs[flat].double()).clamp(min=0)
-        cdf = residual.cumsum(0)
+        p = logits[flat].softmax(-1).double()
+        q = draft_probs[flat].double()
+        expected = None
+        for j in range(_CANDIDATES):
+            y = draw(p, float(recovery[row, j]))
+            if float(recovery[row, _CANDIDATES + j]) * p[y] < p[y] - q[y]:
+                expected = y
+                break
+        if expected is None:
+            expected = draw((p - q).clamp(min=0), float(recovery[row, -1]))
         token = int(out[row, accepted])
-        threshold = float(recovery[row]) * float(cdf[-1])
-        assert residual[token] > 0
-        assert (cdf[token - 1] if token else 0.0) <= threshold + 1e-9
-        assert threshold < cdf[token] + 1e-9
+        assert token == expected
+        assert p[token] > q[token]
         checked += 1
-    assert checked >= 2
+    assert checked >= 4
+
+
+CHI2_CRITICAL_0_001 = {2: 13.816, 3: 16.266, 4: 18.467}  # upper 0.1% points, standard tables
+
+
+@pytest.mark.parametrize("candidates", [_CANDIDATES, 1])
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_recovered_tokens_follow_the_residual_distribution(monkeypatch, candidates,
+                                                           with_draft_probs):
+    """Chi-squared over many single-draft requests, every draft rejected: the recovered
+    tokens are distributed as normalize(max(p - q, 0)), with the usual number of candidates
+    and with one (where most draws come from the residual's inverse CDF instead)."""
+    import ascend_kernels.rejection_logits as module
+
+    monkeypatch.setattr(module, "_CANDIDATES", candidates)
+    requests, vocab = 20000, 6
+    g = torch.Generator().manual_seed(11 + candidates)
+    p = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10, 0.00])
+    q = torch.tensor([0.50, 0.05, 0.10, 0.05, 0.05, 0.25])
+    logits = p.log().expand(requests, vocab).contiguous()
+    drafts = torch.zeros(requests, dtype=torch.int32)  # p(0) / q(0) = 0.6 < u: rejected
+    draft_probs = q.expand(requests, vocab).contiguous() if with_draft_probs else None
+    residual = (p - q).clamp(min=0) if with_draft_probs else p * (torch.arange(vocab) != 0)
+    residual = residual / residual.sum()
+    out = rejection_sample_from_logits(
+        torch.arange(1, requests + 1, dtype=torch.int32), drafts, draft_probs, logits,
+        torch.zeros(requests, dtype=torch.int64),
+        torch.full((requests,), 1.0 - 1e-12, dtype=torch.float64),
+        torch.rand(requests, RECOVERY_DRAWS, generator=g, dtype=torch.float64), 1)
+    counts = torch.bincount(out[:, 0].long(), minlength=vocab).double()
+    support = residual > 0
+    assert counts[~support].sum() == 0
+    expected = residual[support].double() * requests
+    statistic = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert statistic < CHI2_CRITICAL_0_001[int(support.sum()) - 1]
 
 
 def test_without_draft_probs_the_draft_token_is_never_recovered():
@@ -108,13 +162,14 @@ def test_greedy_rows_are_left_alone_and_empty_batches_work():
                                          torch.zeros(0, dtype=torch.int32), None,
                                          torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64),
                                          torch.zeros(0, dtype=torch.float64),
-                                         torch.zeros(0, dtype=torch.float64), 0)
+                                         torch.zeros(0, RECOVERY_DRAWS, dtype=torch.float64), 0)
     assert empty.shape == (0, 1)
     no_drafts = rejection_sample_from_logits(torch.zeros(2, dtype=torch.int32),
                                              torch.zeros(0, dtype=torch.int32), None,
                                              torch.zeros(0, 8), torch.tensor([5, 6]),
                                              torch.zeros(0, dtype=torch.float64),
-                                             torch.zeros(2, dtype=torch.float64), 0)
+                                             torch.zeros(2, RECOVERY_DRAWS,
+                                                         dtype=torch.float64), 0)
     assert no_drafts.tolist() == [[5], [6]]
 
 
@@ -122,9 +177,11 @@ def test_recovery_uniforms_skip_requests_without_drafts():
     seeded = torch.Generator().manual_seed(9)
     draws = generate_recovery_uniforms([0, 3, 2], {0: seeded, 1: torch.Generator()
                                                    .manual_seed(9)})
-    # No drafts: its generator is untouched (request 0's value is unused).
-    assert torch.equal(draws[1:2], generate_uniform_probs([1], {0: torch.Generator()
-                                                                .manual_seed(9)}))
+    assert draws.shape == (3, RECOVERY_DRAWS) and draws.dtype == torch.float64
+    # Request 1's row comes from its own generator, in order.
+    assert torch.equal(draws[1], torch.rand(RECOVERY_DRAWS, dtype=torch.float64,
+                                            generator=torch.Generator().manual_seed(9)))
+    # No drafts: its generator is untouched (request 0's row is unused).
     assert torch.rand(1, generator=seeded) == torch.rand(
         1, generator=torch.Generator().manual_seed(9))
 
@@ -150,15 +207,14 @@ def test_two_level_inverse_cdf_equals_one_running_sum(vocab):
     weights = torch.randint(0, 4, (64, vocab), generator=g).float()
     weights[:, vocab // 4: vocab // 2] = 0
     weights[:, -1] += 1  # every row has some weight
-    uniforms = torch.rand(64, generator=g, dtype=torch.float64)
-    uniforms[:3] = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.5])
+    uniforms = torch.rand(64, 3, generator=g, dtype=torch.float64)  # three draws a row
+    uniforms[:3, 0] = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.5])
     picked, total = _inverse_cdf(weights, uniforms)
     cdf = weights.double().cumsum(dim=1)
-    expected = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True)
-    expected = expected.squeeze(1).clamp(max=vocab - 1)
+    expected = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).clamp(max=vocab - 1)
     assert torch.equal(picked, expected)
     assert torch.equal(total, cdf[:, -1])
-    assert (weights.gather(1, picked.unsqueeze(1)) > 0).all()
+    assert (weights.gather(1, picked) > 0).all()
 
 
 @pytest.mark.parametrize("with_draft_probs", [True, False])
@@ -242,11 +298,10 @@ def test_row_argmax_is_torchs_argmax(vocab):
 
 @pytest.mark.parametrize("with_draft_probs", [True, False])
 @pytest.mark.parametrize("accept_share", [0.1, 0.9])
-def test_chunks_and_both_residual_ways_give_the_same_tokens(monkeypatch, with_draft_probs,
+def test_rows_verified_a_few_at_a_time_give_the_same_tokens(monkeypatch, with_draft_probs,
                                                             accept_share):
-    """Rows verified a few at a time, with the residual built in place for a whole chunk
-    (most rows rejected) or from a copy of the rejected rows (few rejected), draw the same
-    tokens as all rows in one chunk."""
+    """Rows verified a few at a time, whether most of a chunk's rows reject or few, draw the
+    same tokens as all rows in one chunk."""
     import ascend_kernels.rejection_logits as module
 
     lengths = [4, 3, 4, 4, 1, 4, 2, 4, 4, 3, 4, 4]
