@@ -19,7 +19,15 @@ What this subclass does differently:
   tolerate many writes to slot 0; the NPU's paged KV scatter takes unique slots only);
 - greedy drafting over a truncated draft vocabulary (EAGLE-3 ``d2t``) takes the argmax over
   the draft's own logits and maps the winner, instead of scattering the logits into a
-  full-vocabulary tensor of -inf first.
+  full-vocabulary tensor of -inf first;
+- a step that asks for no drafts (the draft-length controller's length 0) skips the draft
+  model: vLLM runs its first pass anyway, only to write the draft's KV for the step's tokens.
+  Here each request's inputs of that pass (its tokens, positions and the target's hidden
+  states) are kept, and the next step that drafts, or one whose kept inputs would no longer
+  fit the proposer's buffers, first runs one catch-up pass over every kept token of the
+  batch's requests (their KV slots from the current block table), so the draft attends to
+  the same KV as if no pass had been skipped: the same drafts, for a pass over many tokens
+  at once instead of one per step (see ``_catch_up``).
 
 ``ascend_counters`` counts each of those calls, so tests can see them run inside vLLM.
 """
@@ -31,6 +39,8 @@ from collections import Counter
 from typing import Any
 
 import torch
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.eagle import EagleProposer
 
@@ -69,6 +79,18 @@ class AscendEagleProposer(EagleProposer):
                             target_hidden_size=target_hidden)
         super().__init__(vllm_config, device, runner)
         self.ascend_counters: Counter[str] = Counter()
+        self._runner = runner
+        # Per request: the draft's first-pass inputs of skipped passes, in step order
+        # (token ids, positions, target hidden states), and their token count in all.
+        self._kept: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._kept_tokens = 0
+        # Skipping needs the plain first pass (one draft input per target token) of a
+        # single engine; else every step runs it, as vLLM does.
+        self.skips_idle_passes = (
+            runner is not None and not self.needs_extra_input_slots
+            and not self.parallel_drafting and not self.uses_mrope
+            and not self.supports_mm_inputs and self.pass_hidden_states_to_model
+            and vllm_config.parallel_config.data_parallel_size == 1)
 
     # ------------------------------------------------------------------ warm-up
 
@@ -100,6 +122,131 @@ class AscendEagleProposer(EagleProposer):
         draft_ids = logits.argmax(dim=-1)
         self.ascend_counters["greedy_truncated_vocab"] += 1
         return draft_ids + draft_to_target[draft_ids]
+
+    # ------------------------------------------------------------------ skipped passes
+
+    def propose(self, num_speculative_tokens: int, target_token_ids: torch.Tensor,
+                target_positions: torch.Tensor, target_hidden_states: torch.Tensor,
+                next_token_ids: torch.Tensor, token_indices_to_sample: torch.Tensor | None,
+                common_attn_metadata: CommonAttentionMetadata, sampling_metadata: Any,
+                mm_embed_inputs: Any = None, num_rejected_tokens_gpu: torch.Tensor | None = None,
+                slot_mappings: Any = None) -> torch.Tensor:
+        def drafted() -> torch.Tensor:
+            return super(AscendEagleProposer, self).propose(
+                num_speculative_tokens, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, sampling_metadata, mm_embed_inputs,
+                num_rejected_tokens_gpu, slot_mappings)
+
+        if not self.skips_idle_passes:
+            return drafted()
+        num_reqs = common_attn_metadata.num_reqs
+        req_ids = list(self._runner.input_batch.req_ids[:num_reqs])
+        for req_id in [r for r in self._kept if r not in self._runner.requests]:
+            self._forget(req_id)  # finished or preempted
+        if (num_speculative_tokens == 0 and self._kept_tokens
+                + common_attn_metadata.num_actual_tokens <= self.max_num_tokens):
+            self._keep(req_ids, target_token_ids, target_positions, target_hidden_states,
+                       next_token_ids, token_indices_to_sample, common_attn_metadata,
+                       num_rejected_tokens_gpu)
+            self._last_draft_probs = None
+            return torch.empty(num_reqs, 0, dtype=torch.int64, device=self.device)
+        self._catch_up(req_ids, target_positions, common_attn_metadata)
+        return drafted()
+
+    def _forget(self, req_id: str) -> None:
+        self._kept_tokens -= sum(ids.shape[0] for ids, _, _ in self._kept.pop(req_id, ()))
+
+    def _keep(self, req_ids: list[str], target_token_ids: torch.Tensor,
+              target_positions: torch.Tensor, target_hidden_states: torch.Tensor,
+              next_token_ids: torch.Tensor, token_indices_to_sample: torch.Tensor | None,
+              cad: CommonAttentionMetadata, num_rejected_tokens_gpu: torch.Tensor | None
+              ) -> None:
+        """Keep what the skipped first pass would have fed the draft: vLLM's own input
+        layout (tokens shifted by one, the next token at each request's last accepted
+        position), each request's tokens up to that position (the rejected ones after it
+        are padding)."""
+        if self.method in ("eagle3", "dflash"):
+            target_hidden_states = self.model.combine_hidden_states(target_hidden_states)
+        _, last, cad = self.set_inputs_first_pass(
+            target_token_ids, next_token_ids, target_positions, target_hidden_states,
+            token_indices_to_sample, cad, num_rejected_tokens_gpu)
+        starts = cad.query_start_loc_cpu[:len(req_ids)].tolist()
+        ends = (last[:len(req_ids)].cpu() + 1).tolist()
+        index = torch.cat([torch.arange(a, b) for a, b in zip(starts, ends, strict=True)])
+        index = index.to(self.device)
+        ids, positions = self.input_ids[index], self._get_positions(self.max_num_tokens)[index]
+        hidden = self.hidden_states[index]
+        offset = 0
+        for req_id, a, b in zip(req_ids, starts, ends, strict=True):
+            part = slice(offset, offset + b - a)
+            offset += b - a
+            kept = self._kept.setdefault(req_id, [])
+            if kept and int(kept[-1][1][-1]) >= int(positions[part][0]):
+                self._forget(req_id)  # recomputed from an earlier position: start again
+                kept = self._kept.setdefault(req_id, [])
+            kept.append((ids[part], positions[part], hidden[part]))
+            self._kept_tokens += b - a
+        self.ascend_counters["draft_passes_skipped"] += 1
+
+    def _catch_up(self, req_ids: list[str], target_positions: torch.Tensor,
+                  cad: CommonAttentionMetadata) -> None:
+        """One draft pass over the kept inputs of the batch's requests, for the KV it writes
+        (its outputs are not used): each request's kept tokens as one query, attending to
+        its draft KV before them. Its KV slots come from the block table now."""
+        rows = [i for i, req_id in enumerate(req_ids) if req_id in self._kept]
+        if not rows:
+            return
+        first = target_positions[cad.query_start_loc_cpu[rows].to(target_positions.device)]
+        parts, lengths = [], []
+        for row, start in zip(rows, first.tolist(), strict=True):
+            ids, positions, hidden = (torch.cat(t) for t in zip(*self._kept[req_ids[row]],
+                                                               strict=True))
+            keep = positions < start  # later ones are this step's tokens again
+            parts.append((ids[keep], positions[keep], hidden[keep]))
+            lengths.append(int(keep.sum()))
+            self._forget(req_ids[row])
+        rows = [row for row, n in zip(rows, lengths, strict=True) if n]
+        parts = [part for part, n in zip(parts, lengths, strict=True) if n]
+        lengths = [n for n in lengths if n]
+        if not rows:
+            return
+        ids, positions, hidden = (torch.cat(t) for t in zip(*parts, strict=True))
+        total = ids.shape[0]
+        self.input_ids[:total] = ids
+        self._set_positions(total, positions)
+        self.hidden_states[:total] = hidden
+        device = cad.query_start_loc.device
+        query_start_loc_cpu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0,
+                                                                                 dtype=torch.int32)
+        seq_lens = torch.stack([p[1][-1] for p in parts]).to(torch.int32) + 1
+        block_table = cad.block_table_tensor[torch.tensor(rows, device=device)]
+        request = torch.repeat_interleave(torch.arange(len(rows), device=device),
+                                          torch.tensor(lengths, device=device))
+        positions = positions.to(device).long()
+        slots = (block_table[request, positions // self.block_size].long() * self.block_size
+                 + positions % self.block_size)
+        metadata = CommonAttentionMetadata(
+            query_start_loc=query_start_loc_cpu.to(device),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=seq_lens.to(device),
+            seq_lens_cpu_upper_bound=seq_lens.cpu(),
+            num_reqs=len(rows),
+            num_actual_tokens=total,
+            max_query_len=max(lengths),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=block_table,
+            slot_mapping=slots,
+            causal=True,
+        )
+        _, per_layer = self.build_per_group_and_layer_attn_metadata(metadata)
+        with set_forward_context(per_layer, self.vllm_config, num_tokens=total,
+                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                 slot_mapping=self._get_slot_mapping(total, slots)):
+            self.model(input_ids=self.input_ids[:total], positions=self._get_positions(total),
+                       hidden_states=self.hidden_states[:total], inputs_embeds=None)
+        self.ascend_counters["draft_catch_up_passes"] += 1
+        self.ascend_counters["draft_catch_up_tokens"] += total
 
     # ------------------------------------------------------------------ bookkeeping
 
