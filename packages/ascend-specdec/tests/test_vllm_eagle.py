@@ -109,3 +109,16 @@ def test_truncated_vocab_greedy_draft_matches_vllm(seed):
     ours = proposer._greedy_sample(states)
     assert torch.equal(ours, theirs)
     assert proposer.ascend_counters["greedy_truncated_vocab"] == 1
+
+
+def test_a_catch_up_runs_each_requests_kept_tokens_in_order_once():
+    from ascend_specdec.vllm.eagle_proposer import catch_up_order
+
+    # Kept over several skipped steps: rows 0 and 1 are in this batch, -1 is not.
+    rows = torch.tensor([0, 1, 0, -1, 0, 1, 0, 1])
+    positions = torch.tensor([5, 9, 6, 3, 7, 10, 6, 11])
+    first = torch.tensor([7, 11])  # this step starts row 0 at 7, row 1 at 11
+    # Row 0: 5, then 6 kept twice (the later, index 6, counts); 7 is this step's own again.
+    # Row 1: 9, 10; 11 is this step's. Row -1 waits.
+    assert catch_up_order(rows, positions, first).tolist() == [0, 6, 1, 5]
+    assert catch_up_order(rows, positions, torch.tensor([0, 0])).tolist() == []

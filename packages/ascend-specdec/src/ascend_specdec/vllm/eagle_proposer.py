@@ -66,6 +66,23 @@ def _draft_hidden_sizes(vllm_config: Any) -> tuple[int, int]:
     return int(reads), int(vllm_config.model_config.get_hidden_size())
 
 
+def catch_up_order(rows: torch.Tensor, positions: torch.Tensor,
+                   first: torch.Tensor) -> torch.Tensor:
+    """Which kept tokens a catch-up pass runs, in its order: ``rows`` is each token's request
+    row in this step's batch (-1: not in it), ``positions`` its position, ``first`` each
+    row's first position in this step. A request's tokens before that position, by row then
+    position; of a position kept twice (a request recomputed after a preemption) the later
+    one; tokens at or after it are this step's again and are left out."""
+    positions = positions.long()
+    usable = (rows >= 0) & (positions < first[rows.clamp(min=0)])
+    # One key per (row, position); a stable sort keeps a position's later token last.
+    key = torch.where(usable, rows * (int(positions.max()) + 1) + positions, -1)
+    key, order = torch.sort(key, stable=True)
+    last = torch.ones_like(usable)
+    last[:-1] = key[1:] != key[:-1]
+    return order[(key >= 0) & last]
+
+
 class AscendEagleProposer(EagleProposer):
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         spec_config = vllm_config.speculative_config
@@ -80,10 +97,12 @@ class AscendEagleProposer(EagleProposer):
         super().__init__(vllm_config, device, runner)
         self.ascend_counters: Counter[str] = Counter()
         self._runner = runner
-        # Per request: the draft's first-pass inputs of skipped passes, in step order
-        # (token ids, positions, target hidden states), and their token count in all.
-        self._kept: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        # The draft's first-pass inputs of skipped passes, one entry per step: each token's
+        # request (a number from _request_numbers), token id, position and target hidden
+        # state; and their token count in all.
+        self._kept: list[tuple[torch.Tensor, ...]] = []
         self._kept_tokens = 0
+        self._request_numbers: dict[str, int] = {}
         # Skipping needs the plain first pass (one draft input per target token) of a
         # single engine; else every step runs it, as vLLM does.
         self.skips_idle_passes = (
@@ -140,22 +159,16 @@ class AscendEagleProposer(EagleProposer):
 
         if not self.skips_idle_passes:
             return drafted()
-        num_reqs = common_attn_metadata.num_reqs
-        req_ids = list(self._runner.input_batch.req_ids[:num_reqs])
-        for req_id in [r for r in self._kept if r not in self._runner.requests]:
-            self._forget(req_id)  # finished or preempted
+        req_ids = self._runner.input_batch.req_ids[:common_attn_metadata.num_reqs]
         if (num_speculative_tokens == 0 and self._kept_tokens
                 + common_attn_metadata.num_actual_tokens <= self.max_num_tokens):
             self._keep(req_ids, target_token_ids, target_positions, target_hidden_states,
                        next_token_ids, token_indices_to_sample, common_attn_metadata,
                        num_rejected_tokens_gpu)
             self._last_draft_probs = None
-            return torch.empty(num_reqs, 0, dtype=torch.int64, device=self.device)
+            return torch.empty(len(req_ids), 0, dtype=torch.int64, device=self.device)
         self._catch_up(req_ids, target_positions, common_attn_metadata)
         return drafted()
-
-    def _forget(self, req_id: str) -> None:
-        self._kept_tokens -= sum(ids.shape[0] for ids, _, _ in self._kept.pop(req_id, ()))
 
     def _keep(self, req_ids: list[str], target_token_ids: torch.Tensor,
               target_positions: torch.Tensor, target_hidden_states: torch.Tensor,
@@ -171,69 +184,86 @@ class AscendEagleProposer(EagleProposer):
         _, last, cad = self.set_inputs_first_pass(
             target_token_ids, next_token_ids, target_positions, target_hidden_states,
             token_indices_to_sample, cad, num_rejected_tokens_gpu)
-        starts = cad.query_start_loc_cpu[:len(req_ids)].tolist()
-        ends = (last[:len(req_ids)].cpu() + 1).tolist()
-        index = torch.cat([torch.arange(a, b) for a, b in zip(starts, ends, strict=True)])
-        index = index.to(self.device)
-        ids, positions = self.input_ids[index], self._get_positions(self.max_num_tokens)[index]
-        hidden = self.hidden_states[index]
-        offset = 0
-        for req_id, a, b in zip(req_ids, starts, ends, strict=True):
-            part = slice(offset, offset + b - a)
-            offset += b - a
-            kept = self._kept.setdefault(req_id, [])
-            if kept and int(kept[-1][1][-1]) >= int(positions[part][0]):
-                self._forget(req_id)  # recomputed from an earlier position: start again
-                kept = self._kept.setdefault(req_id, [])
-            kept.append((ids[part], positions[part], hidden[part]))
-            self._kept_tokens += b - a
+        starts = cad.query_start_loc[:len(req_ids)].long()
+        counts = last[:len(req_ids)].long() + 1 - starts
+        total = int(counts.sum())
+        offsets = counts.cumsum(0) - counts
+        index = (torch.repeat_interleave(starts - offsets, counts, output_size=total)
+                 + torch.arange(total, device=self.device))
+        # (numbers stay dense, 0 to len - 1: _catch_up renumbers what it leaves)
+        numbers = [self._request_numbers.setdefault(r, len(self._request_numbers))
+                   for r in req_ids]
+        owner = torch.repeat_interleave(torch.tensor(numbers, device=self.device), counts,
+                                        output_size=total)
+        self._kept.append((owner, self.input_ids[index],
+                           self._get_positions(self.max_num_tokens)[index],
+                           self.hidden_states[index]))
+        self._kept_tokens += total
         self.ascend_counters["draft_passes_skipped"] += 1
 
     def _catch_up(self, req_ids: list[str], target_positions: torch.Tensor,
                   cad: CommonAttentionMetadata) -> None:
         """One draft pass over the kept inputs of the batch's requests, for the KV it writes
         (its outputs are not used): each request's kept tokens as one query, attending to
-        its draft KV before them. Its KV slots come from the block table now."""
-        rows = [i for i, req_id in enumerate(req_ids) if req_id in self._kept]
-        if not rows:
+        its draft KV before them, their KV slots from the block table now. A token at or
+        after a request's first position in this step (recomputed, after a preemption) is
+        dropped, and of one position kept twice the later one counts. Requests not in the
+        batch keep their tokens while they run; finished ones lose them."""
+        if not self._kept:
             return
-        first = target_positions[cad.query_start_loc_cpu[rows].to(target_positions.device)]
-        parts, lengths = [], []
-        for row, start in zip(rows, first.tolist(), strict=True):
-            ids, positions, hidden = (torch.cat(t) for t in zip(*self._kept[req_ids[row]],
-                                                               strict=True))
-            keep = positions < start  # later ones are this step's tokens again
-            parts.append((ids[keep], positions[keep], hidden[keep]))
-            lengths.append(int(keep.sum()))
-            self._forget(req_ids[row])
-        rows = [row for row, n in zip(rows, lengths, strict=True) if n]
-        parts = [part for part, n in zip(parts, lengths, strict=True) if n]
-        lengths = [n for n in lengths if n]
-        if not rows:
+        owner, ids, positions, hidden = (torch.cat(t) for t in zip(*self._kept, strict=True))
+        self._kept, self._kept_tokens = [], 0
+        row_of = torch.full((len(self._request_numbers),), -1, dtype=torch.long,
+                            device=self.device)
+        for row, req_id in enumerate(req_ids):
+            if req_id in self._request_numbers:
+                row_of[self._request_numbers[req_id]] = row
+        rows = row_of[owner]
+        elsewhere = rows < 0
+        # Requests not in this batch keep their tokens while they run (numbered afresh,
+        # from 0); every other request's number is free again.
+        number_of = {n: r for r, n in self._request_numbers.items()}
+        self._request_numbers = {}
+        if bool(elsewhere.any()):
+            numbers, inverse = torch.unique(owner[elsewhere], return_inverse=True)
+            runs = [number_of[n] in self._runner.requests for n in numbers.tolist()]
+            if any(runs):
+                runs_t = torch.tensor(runs, device=self.device)
+                dense = runs_t.long().cumsum(0) - 1
+                keep = runs_t[inverse]
+                self._kept.append((dense[inverse][keep], *(t[elsewhere][keep]
+                                                           for t in (ids, positions, hidden))))
+                self._kept_tokens = int(keep.sum())
+                self._request_numbers = {
+                    number_of[n]: d for n, d, r in zip(numbers.tolist(), dense.tolist(), runs,
+                                                       strict=True) if r}
+        first = target_positions[cad.query_start_loc[:len(req_ids)].long()].long()
+        order = catch_up_order(rows, positions, first)
+        if order.numel() == 0:
             return
-        ids, positions, hidden = (torch.cat(t) for t in zip(*parts, strict=True))
+        rows, ids, positions, hidden = rows[order], ids[order], positions[order], hidden[order]
+        present, lengths = torch.unique_consecutive(rows, return_counts=True)
         total = ids.shape[0]
         self.input_ids[:total] = ids
         self._set_positions(total, positions)
         self.hidden_states[:total] = hidden
-        device = cad.query_start_loc.device
-        query_start_loc_cpu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0,
-                                                                                 dtype=torch.int32)
-        seq_lens = torch.stack([p[1][-1] for p in parts]).to(torch.int32) + 1
-        block_table = cad.block_table_tensor[torch.tensor(rows, device=device)]
-        request = torch.repeat_interleave(torch.arange(len(rows), device=device),
-                                          torch.tensor(lengths, device=device))
-        positions = positions.to(device).long()
+        ends = lengths.cumsum(0)
+        query_start_loc = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+        seq_lens = (positions[ends - 1].long() + 1).to(torch.int32)
+        block_table = cad.block_table_tensor[present]
+        request = torch.repeat_interleave(torch.arange(present.numel(), device=self.device),
+                                          lengths, output_size=total)
+        positions = positions.long()
         slots = (block_table[request, positions // self.block_size].long() * self.block_size
                  + positions % self.block_size)
         metadata = CommonAttentionMetadata(
-            query_start_loc=query_start_loc_cpu.to(device),
-            query_start_loc_cpu=query_start_loc_cpu,
-            seq_lens=seq_lens.to(device),
+            query_start_loc=query_start_loc,
+            query_start_loc_cpu=query_start_loc.cpu(),
+            seq_lens=seq_lens,
             seq_lens_cpu_upper_bound=seq_lens.cpu(),
-            num_reqs=len(rows),
+            num_reqs=present.numel(),
             num_actual_tokens=total,
-            max_query_len=max(lengths),
+            max_query_len=int(lengths.max()),
             max_seq_len=int(seq_lens.max()),
             block_table_tensor=block_table,
             slot_mapping=slots,
