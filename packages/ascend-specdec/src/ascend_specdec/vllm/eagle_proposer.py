@@ -157,7 +157,10 @@ class AscendEagleProposer(EagleProposer):
                 common_attn_metadata, sampling_metadata, mm_embed_inputs,
                 num_rejected_tokens_gpu, slot_mappings)
 
-        if not self.skips_idle_passes:
+        # (A draft sharing the target's MTP indexer, or balancing experts, sets up state in
+        # every first pass: those run every pass, as vLLM's.)
+        if (not self.skips_idle_passes or self._share_mtp_indices
+                or self.eplb_state is not None):
             return drafted()
         req_ids = self._runner.input_batch.req_ids[:common_attn_metadata.num_reqs]
         if (num_speculative_tokens == 0 and self._kept_tokens
