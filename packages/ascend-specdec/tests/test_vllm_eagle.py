@@ -122,3 +122,25 @@ def test_a_catch_up_runs_each_requests_kept_tokens_in_order_once():
     # Row 1: 9, 10; 11 is this step's. Row -1 waits.
     assert catch_up_order(rows, positions, first).tolist() == [0, 6, 1, 5]
     assert catch_up_order(rows, positions, torch.tensor([0, 0])).tolist() == []
+
+
+def test_a_catch_up_leaves_running_requests_outside_the_batch_their_tokens():
+    from ascend_specdec.vllm.eagle_proposer import AscendEagleProposer
+
+    # Kept tokens of "a" (running, not in this batch) and "b" (finished); the batch holds
+    # only "c", which kept nothing: no pass runs, "a" keeps its tokens, renumbered from 0.
+    proposer = object.__new__(AscendEagleProposer)
+    proposer.device = torch.device("cpu")
+    proposer._runner = SimpleNamespace(requests={"a": None, "c": None})
+    proposer._request_numbers = {"b": 0, "a": 1}
+    owner = torch.tensor([0, 1, 0, 1])
+    proposer._kept = [(owner, torch.tensor([10, 11, 12, 13]), torch.tensor([4, 7, 5, 8]),
+                       torch.arange(8.0).view(4, 2))]
+    proposer._kept_tokens = 4
+    cad = SimpleNamespace(query_start_loc=torch.tensor([0, 1]))
+    proposer._catch_up(["c"], torch.tensor([30]), cad)
+    assert proposer._request_numbers == {"a": 0}
+    assert proposer._kept_tokens == 2
+    (owner, ids, positions, hidden), = proposer._kept
+    assert owner.tolist() == [0, 0] and ids.tolist() == [11, 13]
+    assert positions.tolist() == [7, 8] and hidden.tolist() == [[2.0, 3.0], [6.0, 7.0]]
